@@ -1,0 +1,625 @@
+"""One dataclass tree for the whole system, read from YAML plus dotted `key=value` overrides.
+
+    cfg = load_config("run.yaml", ["trainer.lr=1e-5", "max_staleness=8"])
+
+Precedence: dataclass defaults < YAML file < overrides. Every section checks its own values
+in `__post_init__`; `ExperimentConfig` checks the rules that span sections. All user
+mistakes raise `ConfigError` (a `ValueError`) naming the dotted key and the fix.
+
+This module must stay cheap to import (launcher, workers and CLI all load it first):
+standard library and PyYAML only, never torch.
+"""
+
+import ast
+import dataclasses
+import difflib
+import json
+import re
+import sys
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file, an override, or a constructed config."""
+
+
+class _Section:
+    """Shared checks; `_section` is the dotted path of the section, so messages name keys."""
+
+    _section: ClassVar[str] = ""
+
+    def _key(self, name: str) -> str:
+        return f"{self._section}.{name}" if self._section else name
+
+    def _fail(self, name: str, msg: str) -> typing.NoReturn:
+        raise ConfigError(f"{self._key(name)} {msg}")
+
+    def _check_types(self) -> None:
+        # Runs first in every __post_init__ so that direct construction and loading share
+        # one type check, and int -> float is normalised once.
+        for f in dataclasses.fields(self):
+            setattr(
+                self, f.name, _convert_checked(getattr(self, f.name), f.type, self._key(f.name))
+            )
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not value > 0:  # `not >` also rejects NaN
+                self._fail(name, f"must be > 0, got {value!r}")
+
+    def _non_negative(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not value >= 0:
+                self._fail(name, f"must be >= 0, got {value!r}")
+
+    def _one_of(self, name: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            self._fail(name, f"must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig(_Section):
+    _section: ClassVar[str] = "model"
+
+    path: str = ""
+    """HF model directory; empty = make the tiny model under {fileroot}/models/."""
+    tiny_hidden: int = 64
+    """Hidden size of the tiny model (used only when path is empty)."""
+    tiny_layers: int = 2
+    """Transformer layers of the tiny model (used only when path is empty)."""
+    tiny_warmup_steps: int = 200
+    """Supervised warm-up steps of the tiny model, so RL starts from a model that knows the format."""  # noqa: E501
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._positive("tiny_hidden", "tiny_layers")
+        self._non_negative("tiny_warmup_steps")
+        self._one_of("dtype", ("float32", "bfloat16", "float16"))
+
+
+@dataclass(kw_only=True)
+class DatasetConfig(_Section):
+    _section: ClassVar[str] = "dataset"
+
+    type: str = "arith"
+    """Task: arith (synthetic sums, no file needed), math or code."""
+    path: str = ""
+    """Dataset file; required for math and code."""
+    max_operand: int = 5
+    """Largest operand of the arith task (sums of 0..5 are learnt by the tiny model in minutes)."""
+    n_problems: int = 2000
+    """Number of arith problems generated."""
+    max_prompt_len: int = 1024
+    """Prompts longer than this many tokens are dropped."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._one_of("type", ("arith", "math", "code"))
+        if self.type != "arith" and not self.path:
+            self._fail(
+                "path",
+                f"is required when dataset.type is {self.type!r}: set it to the "
+                "dataset file, or use dataset.type=arith",
+            )
+        self._positive("max_operand", "n_problems", "max_prompt_len")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(_Section):
+    _section: ClassVar[str] = "rollout"
+
+    n_servers: int = 1
+    """Inference servers, one rollout worker each."""
+    group_size: int = 8
+    """Responses sampled per prompt."""
+    max_new_tokens: int = 8
+    """Generation length limit per response."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]; 1 = off."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+    max_concurrent: int = 64
+    """Prompt groups in flight at most."""
+    interruptible: bool = True
+    """A weight update aborts in-flight generations and resumes them under the new weights; false waits for them."""  # noqa: E501
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._positive("n_servers", "group_size", "max_new_tokens", "max_concurrent")
+        if not self.temperature > 0:
+            # Greedy decoding gives no exploration and degenerate behaviour log-probs.
+            self._fail("temperature", f"must be > 0, got {self.temperature!r} (1.0 is the paper's)")
+        if not 0 < self.top_p <= 1:
+            self._fail("top_p", f"must be in (0, 1], got {self.top_p!r} (1.0 = off)")
+        if self.top_k != -1 and self.top_k <= 0:
+            self._fail("top_k", f"must be -1 (off) or > 0, got {self.top_k!r}")
+
+
+@dataclass(kw_only=True)
+class InferenceConfig(_Section):
+    _section: ClassVar[str] = "inference"
+
+    backend: str = "embedded"
+    """Inference server: embedded (torch, CPU-friendly) or sglang."""
+    max_batch_size: int = 128
+    """Sequences decoded together by one server at most."""
+    num_threads: int = 1
+    """Torch threads of each embedded server."""
+    python: str = ""
+    """Interpreter that runs SGLang; empty = this one."""
+    startup_timeout_s: float = 300.0
+    """Seconds to wait for a server to become healthy."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._one_of("backend", ("embedded", "sglang"))
+        self._positive("max_batch_size", "num_threads", "startup_timeout_s")
+
+
+@dataclass(kw_only=True)
+class RewardConfig(_Section):
+    _section: ClassVar[str] = "reward"
+
+    correct: float = 5.0
+    """Reward of a correct final answer."""
+    wrong: float = -5.0
+    """Reward of a wrong or missing answer."""
+    n_workers: int = 1
+    """Grading processes."""
+    timeout_s: float = 10.0
+    """Seconds one grading may take before it counts as wrong."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if not self.correct > self.wrong:
+            self._fail(
+                "correct",
+                f"({self.correct!r}) must be > reward.wrong ({self.wrong!r}), "
+                "else RL learns to answer wrongly",
+            )
+        self._positive("n_workers", "timeout_s")
+
+
+@dataclass(kw_only=True)
+class MicroBatchSpec(_Section):
+    _section: ClassVar[str] = "trainer.mb_spec"
+
+    max_tokens_per_mb: int = 32768
+    """Token budget of one packed micro-batch."""
+    min_n_mbs: int = 1
+    """Micro-batches per minibatch at least."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._positive("max_tokens_per_mb", "min_n_mbs")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(_Section):
+    _section: ClassVar[str] = "trainer"
+
+    backend: str = "torch"
+    """Training engine: torch or megatron."""
+    batch_size: int = 16
+    """Prompts per training step; B in the staleness bound."""
+    lr: float = 2e-5
+    """Adam learning rate (constant after warm-up)."""
+    weight_decay: float = 0.05
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas (beta1, beta2)."""
+    adam_eps: float = 1e-5
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip."""
+    warmup_steps_ratio: float = 0.001
+    """Fraction of total_train_steps with linear lr warm-up."""
+    num_threads: int = 1
+    """Torch threads of the trainer."""
+    mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    """Dynamic micro-batching."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._one_of("backend", ("torch", "megatron"))
+        self._positive("batch_size", "lr", "adam_eps", "grad_clip", "num_threads")
+        self._non_negative("weight_decay")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            self._fail(
+                "betas", f"must be two numbers in [0, 1), got {self.betas!r}; e.g. [0.9, 0.95]"
+            )
+        if not 0 <= self.warmup_steps_ratio <= 1:
+            self._fail("warmup_steps_ratio", f"must be in [0, 1], got {self.warmup_steps_ratio!r}")
+
+
+@dataclass(kw_only=True)
+class PPOConfig(_Section):
+    _section: ClassVar[str] = "ppo"
+
+    eps_clip: float = 0.2
+    """PPO clip range epsilon."""
+    use_decoupled_loss: bool = True
+    """Decoupled objective (proximal policy apart from behaviour policy); false = naive PPO."""
+    behav_imp_weight_cap: float | None = None
+    """Mask tokens whose pi_prox/pi_behav exceeds this; null = no cap."""
+    n_minibatches: int = 4
+    """Sequential PPO updates per training batch."""
+    adv_norm: str = "batch"
+    """Advantage normalisation over the whole batch or within each prompt group."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if not 0 < self.eps_clip < 1:
+            self._fail("eps_clip", f"must be in (0, 1), got {self.eps_clip!r} (0.2 is the paper's)")
+        cap = self.behav_imp_weight_cap
+        if cap is not None and not cap > 1:
+            # The ratio sits around 1, so a cap <= 1 would mask about half of all tokens.
+            self._fail(
+                "behav_imp_weight_cap",
+                f"must be > 1 or null (no cap), got {cap!r}; public examples use 5.0",
+            )
+        self._positive("n_minibatches")
+        self._one_of("adv_norm", ("batch", "group"))
+
+
+@dataclass(kw_only=True)
+class LauncherConfig(_Section):
+    _section: ClassVar[str] = "launcher"
+
+    type: str = "local"
+    """Where roles run: local processes or slurm jobs."""
+    log_tail_lines: int = 30
+    """Log lines of a dead role shown in the error."""
+    dead_role_poll_s: float = 0.5
+    """Seconds between checks that every role is alive."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._one_of("type", ("local", "slurm"))
+        self._non_negative("log_tail_lines")
+        self._positive("dead_role_poll_s")
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig(_Section):
+    experiment_name: str = "tiny"
+    """Experiment name; the directory is {fileroot}/{experiment_name}/{trial_name}."""
+    trial_name: str = "run0"
+    """Trial name within the experiment."""
+    fileroot: str = "/tmp/areal"
+    """Root of experiment directories, models and checkpoints."""
+    seed: int = 1
+    """Random seed."""
+    total_train_steps: int = 40
+    """Training steps to run."""
+    max_staleness: int = 4
+    """The paper's eta: a trained sample is at most this many versions older than the trainer; 0 = synchronous RL."""  # noqa: E501
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy model."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Prompts and answers."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers and sampling."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """Inference servers."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward service."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer and optimiser."""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO objective."""
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """Process launcher."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        for name in ("experiment_name", "trial_name"):
+            value = getattr(self, name)
+            if not value or "/" in value or value in (".", ".."):
+                self._fail(name, f"must be one directory name, got {value!r}")
+        if not self.fileroot:
+            self._fail("fileroot", "must not be empty: give a writable directory")
+        self._positive("total_train_steps")
+        self._non_negative("max_staleness")
+        # Rules spanning sections.
+        if self.ppo.adv_norm == "group" and self.rollout.group_size < 2:
+            raise ConfigError(
+                "ppo.adv_norm=group needs rollout.group_size >= 2 (a group of one "
+                "has zero spread); raise the group size or use ppo.adv_norm=batch"
+            )
+        n_traj = self.trainer.batch_size * self.rollout.group_size
+        if self.ppo.n_minibatches > n_traj:
+            raise ConfigError(
+                f"ppo.n_minibatches ({self.ppo.n_minibatches}) exceeds the "
+                f"{n_traj} trajectories of a batch (trainer.batch_size x "
+                "rollout.group_size): lower it or raise the batch"
+            )
+
+    @property
+    def exp_dir(self) -> Path:
+        return Path(self.fileroot) / self.experiment_name / self.trial_name
+
+
+# ---- types ---------------------------------------------------------------------------------
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    if _is_section(tp):
+        return "a section (a mapping of its keys)"
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        return f"{_type_name(inner)} or null"
+    if typing.get_origin(tp) is list:
+        return f"a list of {args[0].__name__}s"
+    return {bool: "a bool (true/false)", int: "an int", float: "a float", str: "a str"}[tp]
+
+
+def _convert(value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _convert(value, inner)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch
+        return [_convert(v, typing.get_args(tp)[0]) for v in value]
+    # bool is a subclass of int: `lr: true` is a mistake, not 1.0.
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (bool, str) or _is_section(tp):
+        if isinstance(value, tp):
+            return value
+        raise _Mismatch
+    raise _Mismatch
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _convert_checked(value: Any, tp: Any, key: str) -> Any:
+    try:
+        return _convert(value, tp)
+    except _Mismatch:
+        hint = ""
+        if isinstance(value, Mapping) and not _is_section(tp):
+            hint = f": {key} is a single value, not a section"
+        raise ConfigError(
+            f"{key} expects {_type_name(tp)}, got {_short(value)} ({type(value).__name__}){hint}"
+        ) from None
+
+
+# ---- keys ----------------------------------------------------------------------------------
+
+
+def _walk(cls: type, prefix: str = "") -> Iterable[tuple[str, dataclasses.Field, type]]:
+    """(dotted key, field, owning class) for every field, sections before their leaves."""
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        yield key, f, cls
+        if _is_section(f.type):
+            yield from _walk(f.type, key + ".")
+
+
+@cache
+def _all_keys() -> dict[str, Any]:
+    """Every dotted key (sections and leaves) -> its type."""
+    return {key: f.type for key, f, _ in _walk(ExperimentConfig)}
+
+
+def _unknown_key(key: str) -> ConfigError:
+    keys = list(_all_keys())
+    parent, _, last = key.rpartition(".")
+    parent_tp = _all_keys().get(parent) if parent else ExperimentConfig
+    siblings = [f.name for f in dataclasses.fields(parent_tp)] if _is_section(parent_tp) else []
+    # Most telling first: a bare `lr` means `trainer.lr`; `trainer.lrr` is a sibling typo;
+    # otherwise a typo anywhere in the dotted key ('trianer.lr').
+    matches = (
+        [k for k in keys if k.rpartition(".")[2] == last]
+        or [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(last, siblings, 1)]
+        or difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
+    )
+    msg = f"unknown config key {key!r}"
+    if matches:
+        return ConfigError(f"{msg}: did you mean {' or '.join(map(repr, matches))}?")
+    if siblings:
+        where = f"of {parent!r}" if parent else "at the top level"
+        return ConfigError(f"{msg}: valid keys {where} are {', '.join(siblings)}")
+    return ConfigError(msg)
+
+
+# ---- building and loading ------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML reads `1e-3` as a string (YAML 1.1 wants `1.0e-3`); accept it as a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None and prefix:
+        data = {}  # `trainer:` with every key commented out means its defaults
+    if not isinstance(data, Mapping):
+        where = f"{prefix} is a section" if prefix else "the config must be a mapping"
+        raise ConfigError(
+            f"{where}: give a mapping of its keys, got {_short(data)} ({type(data).__name__})"
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            raise _unknown_key(key)
+        tp = fields[name].type
+        kwargs[name] = _build(tp, value, key) if _is_section(tp) else value
+    return cls(**kwargs)
+
+
+def from_dict(d: Mapping[str, Any]) -> ExperimentConfig:
+    """Build and validate a config from a nested mapping; missing keys take defaults."""
+    return _build(ExperimentConfig, d, "")
+
+
+def to_dict(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The config as a nested dict of plain YAML-able values."""
+    return dataclasses.asdict(cfg)
+
+
+def _merge(dst: dict, src: Mapping) -> None:
+    for k, v in src.items():
+        if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = dict(v) if isinstance(v, Mapping) else v
+
+
+def _apply_override(data: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(
+            f"override {override!r} has no '=': write overrides as "
+            "dotted.key=value, e.g. trainer.lr=1e-5"
+        )
+    key, text = (s.strip() for s in override.split("=", 1))
+    if key not in _all_keys():
+        raise _unknown_key(key)
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"override {override!r}: cannot parse the value as YAML "
+            f"({getattr(e, 'problem', e)}); quote strings, write lists as [a, b]"
+        ) from None
+    *parents, last = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            section = ".".join(parents[: i + 1])
+            raise ConfigError(
+                f"{section} is a section, but the config file gives it "
+                f"{_short(node)}: make it a mapping of its keys"
+            )
+    _merge(node, {last: value})
+
+
+def _read_yaml(path: str) -> dict:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} not found: check the path") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"cannot parse config file {path!r}{where}: {problem}") from None
+    if data is None:  # an empty file means all defaults
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path!r} must hold a mapping of keys (e.g. "
+            f"'trainer: {{lr: 1.0e-5}}'), got a {type(data).__name__}"
+        )
+    return data
+
+
+def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> ExperimentConfig:
+    """Defaults, then the YAML file at `path`, then each `dotted.key=value` override."""
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a list of 'key=value' strings, not one string")
+    data = _read_yaml(path) if path is not None else {}
+    for override in overrides:
+        _apply_override(data, override)
+    return from_dict(data)
+
+
+def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
+    """Write the config as YAML that `load_config` reads back to an equal config."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None))
+
+
+# ---- documentation -------------------------------------------------------------------------
+
+
+@cache
+def _field_docs() -> dict[tuple[str, str], str]:
+    """(class name, field name) -> the string literal under the field, read from the source."""
+    docs = {}
+    for cls in ast.parse(Path(__file__).read_text()).body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for stmt, nxt in zip(cls.body, cls.body[1:], strict=False):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[(cls.name, stmt.target.id)] = nxt.value.value.strip()
+    return docs
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(dotted key, default as YAML, docstring) for every leaf, in declaration order."""
+    defaults = to_dict(ExperimentConfig())
+    rows = []
+    for key, f, owner in _walk(ExperimentConfig):
+        if _is_section(f.type):
+            continue
+        value: Any = defaults
+        for part in key.split("."):
+            value = value[part]
+        rows.append((key, json.dumps(value), _field_docs().get((owner.__name__, f.name), "")))
+    return rows
+
+
+if __name__ == "__main__":
+    # python -m areal.config [config.yaml] [key=value ...]: print the resolved config.
+    args = sys.argv[1:]
+    file = args.pop(0) if args and "=" not in args[0] else None
+    try:
+        print(yaml.safe_dump(to_dict(load_config(file, args)), sort_keys=False), end="")
+    except ConfigError as e:
+        sys.exit(f"error: {e}")

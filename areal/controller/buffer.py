@@ -1,0 +1,99 @@
+"""The replay buffer: groups wait here between generation and training, oldest first, each
+used exactly once.
+
+A group that started under version s must be trained on by trainer version s + eta (its
+deadline). Taking the oldest ready groups is earliest-deadline-first, but on its own it can
+pass over slow old groups until more of them are due than a batch holds. So a batch is
+handed out only if what stays behind can still meet its deadlines: for every deadline d,
+the groups left with deadline <= d fit in the batches i+1 .. d, that is
+count <= B * (d - i). Otherwise the trainer waits for older groups to finish. Groups the
+gate admits later start under versions >= the current one and cannot break this (their
+count is bounded by the gate formula). With eta = 0 every batch is exactly the B groups
+of its own version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal.trajectory import Trajectory
+
+
+@dataclass
+class _Slot:
+    start_version: int
+    group: list[Trajectory] | None = None
+    """None while the group is still generating."""
+
+
+class ReplayBuffer:
+    def __init__(self) -> None:
+        self._slots: dict[int, _Slot] = {}
+        self._next_index = 0
+
+    def reserve(self, start_version: int) -> int:
+        """Register a group that starts generating; returns its index (start order)."""
+        index = self._next_index
+        self._next_index += 1
+        self._slots[index] = _Slot(start_version)
+        return index
+
+    def put(self, index: int, group: list[Trajectory]) -> None:
+        """The group finished generating and was graded."""
+        assert self._slots[index].group is None, "a group was put twice"
+        self._slots[index].group = group
+
+    def discard(self, index: int) -> None:
+        """The group was rejected: it will never be trained on."""
+        del self._slots[index]
+
+    def __len__(self) -> int:
+        """Groups ready to train on."""
+        return sum(s.group is not None for s in self._slots.values())
+
+    @property
+    def n_in_flight(self) -> int:
+        return sum(s.group is None for s in self._slots.values())
+
+    def take(
+        self, version: int, batch_size: int, max_staleness: int
+    ) -> list[list[Trajectory]] | None:
+        """The batch for trainer version `version`, or None if it must wait.
+
+        Returned groups leave the buffer, in start order.
+        """
+        ready = sorted(
+            (i for i, s in self._slots.items() if s.group is not None),
+            key=lambda i: (self._slots[i].start_version, i),
+        )
+        if len(ready) < batch_size:
+            return None
+        chosen = set(ready[:batch_size])
+        left = sorted(
+            s.start_version + max_staleness for i, s in self._slots.items() if i not in chosen
+        )
+        for n_due, deadline in enumerate(left, start=1):
+            if n_due > batch_size * (deadline - version):
+                return None
+        return [self._slots.pop(i).group for i in sorted(chosen)]
+
+    def state_dict(self) -> dict:
+        """Ready groups only: groups in flight at a checkpoint are generated again."""
+        return {
+            "groups": [
+                {
+                    "index": i,
+                    "start_version": s.start_version,
+                    "group": [t.to_wire() for t in s.group],
+                }
+                for i, s in sorted(self._slots.items())
+                if s.group is not None
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._slots = {
+            g["index"]: _Slot(g["start_version"], [Trajectory.from_wire(t) for t in g["group"]])
+            for g in state["groups"]
+        }
+        self._next_index = max(self._slots, default=-1) + 1

@@ -1,0 +1,151 @@
+"""A tiny Qwen2-architecture model and a tokenizer trained in code: no downloads.
+
+`make_tiny_model(dir)` writes a directory that loads with transformers' Auto classes and
+with SGLang exactly like a real checkpoint (config.json, model.safetensors, tokenizer files,
+ChatML chat template). The model gets a short supervised warm-up on the arithmetic task so
+that it knows the answer format and a little arithmetic, as the paper's runs start from a
+distilled model; RL has to do the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from areal.data.arith import make_problems
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS_WORDS = (
+    "user assistant system the answer is sum plus equals what of and a to number "
+    "compute add result question reason step first then so therefore boxed"
+).split()
+
+
+def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with single-digit tokens, trained on a small synthetic corpus."""
+    rng = random.Random(seed)
+    lines = [f"{p['prompt']}{p['answer']}" for p in make_problems(2000, 999, seed)]
+    lines += [" ".join(rng.choices(_CORPUS_WORDS, k=12)) for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    # Digits stay single tokens so every number is spelled the same way in every context.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(tokenizer, hidden: int = 64, layers: int = 2) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a one-turn ChatML conversation ending where the assistant speaks."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+
+
+def _warm_up(model, tokenizer, steps: int, max_operand: int, seed: int) -> None:
+    """Supervised steps on the task; answers are sometimes replaced by a random number so
+    the model learns the format and only part of the arithmetic."""
+    if steps <= 0:
+        return
+    rng = random.Random(seed + 1)
+    problems = make_problems(4096, max_operand, seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    eos = tokenizer.eos_token_id
+    model.train()
+    for _ in range(steps):
+        seqs, masks = [], []
+        for p in rng.sample(problems, 64):
+            answer = p["answer"] if rng.random() < 0.5 else str(rng.randint(0, 2 * max_operand))
+            prompt_ids = chat_prompt_ids(tokenizer, p["prompt"])
+            answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [eos]
+            seqs.append(prompt_ids + answer_ids)
+            masks.append([0] * len(prompt_ids) + [1] * len(answer_ids))
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        logits = model(input_ids=ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        loss = (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    warmup_steps: int = 200,
+    max_operand: int = 20,
+) -> Path:
+    """Write the tiny model directory (atomically: a half-written one never appears)."""
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(seed)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(tiny_config(tokenizer, hidden, layers))
+    _warm_up(model, tokenizer, warmup_steps, max_operand, seed)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "areal_tiny.json").write_text(
+        json.dumps({"seed": seed, "warmup_steps": warmup_steps, "max_operand": max_operand})
+    )
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,540 @@
+"""Continuous-batching decode engine behind the embedded inference server.
+
+```
+ asyncio HTTP layer (any thread)             decode thread (exactly one)
+   submit() ──► held ──continue──► waiting ──admit──► running ──step──► Future.set_result
+   abort() / pause() / continue_generation()     one lock; act between decode steps
+   update_weights() ── load + check on disk ──► copy into the live model between steps
+```
+
+Decoding recomputes: every step runs one forward pass over the right-padded
+[running, prompt + generated] batch and samples one token per row. Right padding needs no
+attention mask and no position ids, because causal attention never lets a real token see the
+pads that follow it, so each row's last logits are those of an unpadded forward. There is no
+KV cache to keep consistent across joins, leaves, pauses and weight updates; the cost is
+quadratic in length, which is fine for the tiny CPU model this engine exists for (large models
+are served by SGLang).
+
+| the decode thread waits for            | unblocked by                                   |
+|----------------------------------------|------------------------------------------------|
+| a running request                      | submit(), continue_generation()                |
+| the end of a pause                     | continue_generation()                          |
+| a pending weight update (no admission) | update_weights() applying its tensors          |
+
+| update_weights() waits for                   | unblocked by                                |
+|----------------------------------------------|---------------------------------------------|
+| the decode step in flight                    | the step's end                              |
+| running requests to finish (when not paused) | their finish or abort (no new admissions)   |
+
+Weight versions (SGLang semantics): a finished request reports the engine's weight_version at
+the moment it finishes. Without a pause, an update waits until the running requests finish, so
+a request is never generated across a weight change. With pause(mode="in_place"|"retract")
+the kept requests resume on the new weights after continue_generation() and report the new
+version: their earlier tokens came from the old one. pause(mode="abort") returns partial
+outputs with finish_reason abort instead, so nothing crosses a version.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """The subset of SGLang's sampling parameters that the engine implements."""
+
+    max_new_tokens: int = 128
+    """Generate at most this many tokens (clipped to the model's context length)."""
+    temperature: float = 1.0
+    """0 means greedy; the returned log-probs then use temperature 1."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 or 0 turns it off."""
+    min_new_tokens: int = 0
+    """EOS and stop tokens are masked out until this many tokens exist."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end generation (ignored with ignore_eos, as in SGLang)."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation once the decoded output contains them."""
+    ignore_eos: bool = False
+    """Generate until max_new_tokens whatever tokens appear."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(
+                f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            raise ValueError(
+                "sampling_params.min_new_tokens must be between 0 and max_new_tokens, "
+                f"got {self.min_new_tokens}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-6
+
+
+@dataclass
+class GenerationResult:
+    """One finished request, in SGLang's vocabulary."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    """log_softmax(logits / temperature) of each sampled token, before top-p/top-k."""
+    finish_reason: dict[str, Any]
+    """{"type": "stop", "matched": id|str} | {"type": "length", "length": n} |
+    {"type": "abort", "message": str}"""
+    weight_version: str
+    e2e_latency: float
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new: int
+    stop_ids: frozenset[int]
+    future: Future
+    created: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+    result: GenerationResult | None = None
+
+
+class DecodeEngine:
+    """A transformers causal LM with one background decode thread and continuous batching.
+
+    Every public method is thread-safe. submit(), abort() and stats() never block;
+    pause(), continue_generation(), update_weights() and shutdown() may wait for the decode
+    step in flight (update_weights() also for running requests), so call those from a worker
+    thread when on an event loop.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_batch_size: int = 64,
+        seed: int = 0,
+        num_threads: int = 1,
+        weight_version: str = "default",
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not Path(model_path).is_dir():
+            raise ValueError(f"model directory {model_path} does not exist")
+        torch.set_num_threads(num_threads)
+        self.max_batch_size = max_batch_size
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.model.to(self.device).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except (OSError, ValueError):  # a weights-only directory: token ids in, token ids out
+            self.tokenizer = None
+        config = self.model.config
+        self.vocab_size: int = self.model.get_input_embeddings().weight.shape[0]
+        self.context_len: int = getattr(config, "max_position_embeddings", 1 << 30)
+        self.eos_ids = frozenset(
+            _as_ids(getattr(self.model.generation_config, "eos_token_id", None))
+            | _as_ids(getattr(config, "eos_token_id", None))
+        )
+        self._pad_id = next(iter(self.eos_ids), 0)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+
+        self._cv = threading.Condition()
+        self._held: list[_Request] = []  # submitted during a pause: not admitted yet
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._by_rid: dict[str, _Request] = {}
+        self._pause_mode: str | None = None
+        self._updates_pending = 0
+        self._stepping = False
+        self._stopping = False
+        self._model_path = str(model_path)
+        self._weight_version = str(weight_version)
+        self._counters = collections.Counter()
+        self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
+        self._thread.start()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Future:
+        """Queue one request; the Future resolves to its GenerationResult."""
+        if not prompt_ids:
+            raise ValueError("input_ids must not be empty")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"input_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(prompt_ids) >= self.context_len:
+            raise ValueError(
+                f"the input ({len(prompt_ids)} tokens) is not shorter than the model's context "
+                f"length ({self.context_len} tokens)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop needs a tokenizer; the model dir has none")
+        stop_ids = frozenset() if params.ignore_eos else self.eos_ids | set(params.stop_token_ids)
+        req = _Request(
+            rid=rid,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            max_new=min(params.max_new_tokens, self.context_len - len(prompt_ids)),
+            stop_ids=stop_ids,
+            future=Future(),
+        )
+        finished: list[_Request] = []
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            if rid in self._by_rid:
+                raise ValueError(f"rid {rid!r} is already in flight; request ids must be unique")
+            if req.max_new == 0:
+                self._finish_locked(req, {"type": "length", "length": 0}, finished)
+            else:
+                self._by_rid[rid] = req
+                (self._held if self._pause_mode else self._waiting).append(req)
+                self._cv.notify_all()
+        self._resolve(finished)
+        return req.future
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "") -> int:
+        """Finish requests now with their partial output and finish_reason abort.
+
+        abort_all aborts what the engine has admitted (running and waiting), not the requests
+        held back by a pause: SGLang queues those before the scheduler sees them, so an abort
+        issued during the pause (e.g. update_weights(abort_all_requests=True)) leaves them be.
+        A rid names any request, held ones included. Returns the number aborted.
+        """
+        finished: list[_Request] = []
+        with self._cv:
+            if abort_all:
+                victims = list(self._running) + list(self._waiting)
+            else:
+                victims = [self._by_rid[rid]] if rid in self._by_rid else []
+            for req in victims:
+                self._finish_locked(req, _abort(message or "Abort requested."), finished)
+            self._cv.notify_all()
+        self._resolve(finished)
+        return len(finished)
+
+    # ---- control --------------------------------------------------------------------------
+
+    def pause(self, mode: str = "abort") -> int:
+        """Stop decoding, SGLang-style; new requests are held until continue_generation().
+
+        abort: abort everything admitted (returns how many). in_place: keep the running and
+        waiting requests where they are. retract: move the running ones back to the head of
+        the waiting queue (the same thing here, as there is no KV cache to free).
+        Returns the number of requests aborted or kept. Waits for the step in flight, so that
+        no token is added after pause() returns.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        kept = 0
+        with self._cv:
+            self._pause_mode = mode
+            if mode == "retract":
+                self._waiting.extendleft(reversed(self._running))
+                self._running.clear()
+            while self._stepping:
+                self._cv.wait()
+            kept = len(self._running) + len(self._waiting)
+        if mode == "abort":
+            return self.abort(abort_all=True, message="Aborted by pause_generation.")
+        return kept
+
+    def continue_generation(self) -> None:
+        with self._cv:
+            self._pause_mode = None
+            self._waiting.extend(self._held)
+            self._held.clear()
+            self._cv.notify_all()
+
+    def update_weights(
+        self, model_path: str, weight_version: str | None = None, abort_all_requests: bool = False
+    ) -> tuple[bool, str, int]:
+        """Load *.safetensors from model_path into the live model between decode steps.
+
+        Returns (success, message, num_paused_requests) like SGLang; a failure changes
+        nothing. Without a pause this waits for the running requests to finish (new ones are
+        not admitted meanwhile); while paused it applies at once and reports how many
+        requests it kept.
+        """
+        try:
+            tensors = _load_checked(self.model, model_path)
+        except (OSError, ValueError) as e:
+            return False, f"Failed to update weights from {model_path}: {e}", 0
+        if abort_all_requests:
+            self.abort(abort_all=True, message="Aborted by update_weights_from_disk.")
+        with self._cv:
+            self._updates_pending += 1
+            try:
+                while self._stepping or (self._pause_mode is None and self._running):
+                    self._cv.wait()
+                state = self.model.state_dict()
+                with torch.no_grad():
+                    for name, tensor in tensors.items():
+                        state[name].copy_(tensor)
+                self._model_path = str(model_path)
+                if weight_version is not None:
+                    self._weight_version = str(weight_version)
+                kept = len(self._running) + len(self._waiting) if self._pause_mode else 0
+            finally:
+                self._updates_pending -= 1
+                self._cv.notify_all()
+        message = "Succeeded to update model weights."
+        if weight_version is not None:
+            message += f" Weight version updated to {weight_version}."
+        return True, message, kept
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort every request (held ones too) and stop the decode thread."""
+        finished: list[_Request] = []
+        with self._cv:
+            self._stopping = True
+            for req in list(self._by_rid.values()):
+                self._finish_locked(req, _abort("The server is shutting down."), finished)
+            self._cv.notify_all()
+        self._resolve(finished)
+        self._thread.join(timeout)
+
+    # ---- introspection --------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @property
+    def model_path(self) -> str:
+        return self._model_path
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "num_running_reqs": len(self._running),
+                "num_waiting_reqs": len(self._waiting),
+                "num_held_reqs": len(self._held),
+                "paused": self._pause_mode,
+                "weight_version": self._weight_version,
+                "max_batch_size": self.max_batch_size,
+                "total_generated_tokens": self._counters["tokens"],
+                "total_finished_reqs": self._counters["finished"],
+                "total_aborted_reqs": self._counters["aborted"],
+                "num_decode_steps": self._counters["steps"],
+            }
+
+    # ---- decode thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                batch = self._next_batch_locked()
+                if batch is None:
+                    return
+                self._stepping = True
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            error: Exception | None = None
+            try:
+                tokens, logprobs = self._step(batch)
+            except Exception as e:  # a bad step must fail its requests, not kill the server
+                logger.exception("decode step failed")
+                error = e
+            finished: list[_Request] = []
+            with self._cv:
+                self._stepping = False
+                self._counters["steps"] += 1
+                if error is not None:
+                    for req in batch:
+                        self._finish_locked(req, _abort(f"decode step failed: {error}"), finished)
+                else:
+                    for req, token, lp in zip(batch, tokens, logprobs, strict=True):
+                        if not req.done:  # aborted while the step ran: keep its partial output
+                            self._append_locked(req, token, lp, finished)
+                self._cv.notify_all()
+            self._resolve(finished)
+
+    def _next_batch_locked(self) -> list[_Request] | None:
+        while not self._stopping:
+            if self._pause_mode is None:
+                # A pending weight update drains the running batch before it applies.
+                while self._waiting and not self._updates_pending:
+                    if len(self._running) >= self.max_batch_size:
+                        break
+                    self._running.append(self._waiting.popleft())
+                if self._running:
+                    return list(self._running)
+            self._cv.wait()
+        return None
+
+    @torch.inference_mode()
+    def _step(self, batch: list[_Request]) -> tuple[list[int], list[float]]:
+        seqs = [req.prompt_ids + req.output_ids for req in batch]
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        ids = torch.full((len(seqs), int(lengths.max())), self._pad_id, device=self.device)
+        for row, seq in enumerate(seqs):
+            ids[row, : len(seq)] = torch.tensor(seq, device=self.device)
+        # Logits only at the distinct last positions: [B, K, V] instead of [B, W, V].
+        last = lengths - 1
+        keep = torch.unique(last)
+        logits = self.model(input_ids=ids, logits_to_keep=keep).logits
+        logits = logits[torch.arange(len(seqs)), torch.searchsorted(keep, last)]  # [B, V]
+        return sample(logits.float(), batch, self._generator)
+
+    def _append_locked(self, req: _Request, token: int, lp: float, out: list[_Request]) -> None:
+        req.output_ids.append(token)
+        req.logprobs.append(lp)
+        self._counters["tokens"] += 1
+        # The order of checks is SGLang's: length first, then stop tokens, then stop strings.
+        if len(req.output_ids) >= req.max_new:
+            self._finish_locked(req, {"type": "length", "length": req.max_new}, out)
+        elif token in req.stop_ids:
+            self._finish_locked(req, {"type": "stop", "matched": token}, out)
+        elif req.params.stop:
+            tail = self.tokenizer.decode(req.output_ids[-_STOP_TAIL_TOKENS:])
+            matched = next((s for s in req.params.stop if s and s in tail), None)
+            if matched is not None:
+                self._finish_locked(req, {"type": "stop", "matched": matched}, out)
+
+    def _finish_locked(self, req: _Request, reason: dict, out: list[_Request]) -> None:
+        if req.done:
+            return
+        req.done = True
+        self._by_rid.pop(req.rid, None)
+        for queue in (self._running, self._waiting, self._held):
+            if req in queue:
+                queue.remove(req)
+        self._counters["finished"] += 1
+        self._counters["aborted"] += reason["type"] == "abort"
+        req.result = GenerationResult(
+            rid=req.rid,
+            prompt_ids=req.prompt_ids,
+            output_ids=list(req.output_ids),
+            logprobs=list(req.logprobs),
+            finish_reason=reason,
+            weight_version=self._weight_version,
+            e2e_latency=time.monotonic() - req.created,
+        )
+        out.append(req)
+
+    @staticmethod
+    def _resolve(finished: list[_Request]) -> None:
+        # Outside the lock: Future callbacks may run arbitrary code.
+        for req in finished:
+            req.future.set_result(req.result)
+
+
+# A stop string is searched in the decoded tail of this many tokens (SGLang does the same).
+_STOP_TAIL_TOKENS = 64
+
+
+def sample(
+    logits: torch.Tensor, batch: list[_Request], generator: torch.Generator
+) -> tuple[list[int], list[float]]:
+    """One token per row of logits [B, V], and its log-prob before top-p/top-k filtering."""
+    device = logits.device
+    params = [req.params for req in batch]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+    scaled = logits / temps[:, None]  # [B, V]
+    logprobs = torch.log_softmax(scaled, dim=-1)  # what the trainer recomputes
+    masked = scaled.clone()
+    for row, req in enumerate(batch):
+        if len(req.output_ids) < req.params.min_new_tokens and req.stop_ids:
+            masked[row, list(req.stop_ids)] = float("-inf")
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    if bool(greedy.all()):
+        sampled = masked.argmax(dim=-1)
+    elif any(p.top_k > 0 or p.top_p < 1 for p in params):
+        vocab = masked.shape[-1]
+        sorted_logits, order = masked.sort(dim=-1, descending=True)  # [B, V]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        ranks = torch.arange(vocab, device=device)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token once the mass before it already exceeds top_p (the first always stays).
+        beyond = probs.cumsum(dim=-1) - probs > top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(beyond, float("-inf"))
+        picked = torch.multinomial(torch.softmax(sorted_logits, -1), 1, generator=generator)
+        sampled = order.gather(1, picked).squeeze(1)
+    else:
+        sampled = torch.multinomial(torch.softmax(masked, -1), 1, generator=generator).squeeze(1)
+    tokens = torch.where(greedy, masked.argmax(dim=-1), sampled)
+    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), token_logprobs.tolist()
+
+
+def _load_checked(model: torch.nn.Module, model_path: str) -> dict[str, torch.Tensor]:
+    """All tensors of model_path/*.safetensors, checked name by name against the model."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise ValueError(f"model_path {model_path} is not a directory")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors file in {model_path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    expected = model.state_dict()
+    problems = [f"unexpected tensor {name}" for name in sorted(set(tensors) - set(expected))]
+    # Tied parameters (lm_head and embeddings) share storage: one of their names suffices.
+    groups: dict[int, list[str]] = collections.defaultdict(list)
+    for name, tensor in expected.items():
+        groups[tensor.data_ptr()].append(name)
+    problems += [
+        f"missing tensor {names[0]}"
+        for names in groups.values()
+        if not any(name in tensors for name in names)
+    ]
+    problems += [
+        f"tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name].shape)}"
+        for name, t in tensors.items()
+        if name in expected and t.shape != expected[name].shape
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return tensors
+
+
+def _abort(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message}
+
+
+def _as_ids(value: int | list[int] | None) -> set[int]:
+    if value is None:
+        return set()
+    return {value} if isinstance(value, int) else set(value)

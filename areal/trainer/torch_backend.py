@@ -1,0 +1,116 @@
+"""The plain-torch trainer backend: a transformers causal LM trained on packed micro-batches.
+
+Sequences of a micro-batch run as one padding-free token stream. With FlashAttention-2 the
+restarting position ids separate them; otherwise (CPU, SDPA) an explicit block-diagonal
+causal mask does, which costs T^2 booleans per micro-batch: keep max_tokens_per_mb modest
+on CPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal.trainer.batching import pack_sequences
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+class TorchBackend:
+    """Owns the model and optimizer; computes per-token log-probs and applies updates."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: Sequence[float],
+        adam_eps: float,
+        grad_clip: float,
+        warmup_steps: int,
+        dtype: str = "float32",
+        temperature: float = 1.0,
+        device: str | None = None,
+    ):
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
+        self.model.to(self.device)
+        self.temperature = temperature
+        self.grad_clip = grad_clip
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=lr,
+            betas=tuple(betas),
+            eps=adam_eps,
+            weight_decay=weight_decay,
+        )
+        # Constant learning rate after a linear warm-up (paper, appendix A).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
+        )
+        self._packed_by_position = self.model.config._attn_implementation == "flash_attention_2"
+
+    def logprobs(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Log-probs of every next token of every sequence, as one stream.
+
+        For a sequence of length L the stream holds L-1 entries: entry t is
+        log p(token t+1 | tokens <= t) under logits / temperature.
+        """
+        input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
+        input_ids = input_ids.to(self.device)
+        position_ids = position_ids.to(self.device)
+        mask = None
+        if not self._packed_by_position:
+            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(self.device)
+            seg = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), lens)
+            total = len(input_ids)
+            causal = torch.ones(total, total, dtype=torch.bool, device=self.device).tril()
+            mask = ((seg[:, None] == seg[None, :]) & causal)[None, None]
+        logits = self.model(
+            input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask
+        ).logits[0]  # [T, V]
+        logits = logits.float() / self.temperature
+        labels = torch.roll(input_ids, -1)
+        token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, labels[:, None])[:, 0]
+        # Drop the last position of each sequence: it predicts the next sequence's start.
+        keep = torch.ones(len(input_ids), dtype=torch.bool, device=self.device)
+        keep[(cu_seqlens[1:] - 1).to(self.device)] = False
+        return token_logprobs[keep]
+
+    def optimizer_step(self) -> float:
+        """Clip, step, and reset gradients; returns the gradient norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save_hf(self, out_dir: str | Path) -> None:
+        """Write an HF model directory (safetensors, config, tokenizer) at out_dir."""
+        out = Path(out_dir)
+        self.model.save_pretrained(out, safe_serialization=True)
+        for name in _TOKENIZER_FILES:
+            src = self.model_dir / name
+            if src.exists():
+                shutil.copy2(src, out / name)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,90 @@
+"""The trainer worker: batch in, PPO update, weights out, one line of metrics.
+
+    controller --get_batch(i)--> trainer: proximal log-probs, advantages, minibatch updates
+    trainer --weights/v(i+1)/ + weights_ready(i+1)--> controller
+
+| waits for                         | unblocked by                                    |
+|-----------------------------------|-------------------------------------------------|
+| get_batch(i)                      | the buffer holding a batch allowed at version i |
+
+It never waits for the inference servers: they load each version while it trains on.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from areal.comm.registry import Registry
+from areal.comm.rpc import SyncRpcClient
+from areal.trainer.step import train_step
+from areal.trainer.torch_backend import TorchBackend
+from areal.trajectory import Trajectory
+from areal.weights import publish
+
+
+def make_backend(cfg):
+    if cfg.trainer.backend != "torch":
+        raise ValueError(f"trainer.backend={cfg.trainer.backend!r} is not available yet; use torch")
+    t = cfg.trainer
+    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
+    return TorchBackend(
+        cfg.model.path, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
+        adam_eps=t.adam_eps, grad_clip=t.grad_clip,
+        warmup_steps=int(t.warmup_steps_ratio * n_updates), dtype=cfg.model.dtype,
+        temperature=cfg.rollout.temperature,
+    )
+
+
+def staleness(trajs: list[Trajectory], version: int) -> list[int]:
+    """Trainer version minus the oldest token version of each sample."""
+    return [version - min(t.versions, default=version) for t in trajs]
+
+
+def run_trainer(cfg, key: bytes) -> None:
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.trainer.num_threads)
+    backend = make_backend(cfg)
+    wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
+    controller = SyncRpcClient(Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s), key)
+    metrics_path = cfg.exp_dir / "metrics.jsonl"
+    t_start = t_last = time.time()
+    version = 0
+    with open(metrics_path, "a") as metrics:
+        for step in range(cfg.total_train_steps):
+            reply = controller.call("get_batch", version=version)
+            trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
+            t_batch = time.time()
+            stats = train_step(
+                backend, trajs, eps_clip=cfg.ppo.eps_clip,
+                use_decoupled_loss=cfg.ppo.use_decoupled_loss,
+                behav_imp_weight_cap=cfg.ppo.behav_imp_weight_cap,
+                n_minibatches=cfg.ppo.n_minibatches, adv_norm=cfg.ppo.adv_norm,
+                max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,
+                min_n_mbs=cfg.trainer.mb_spec.min_n_mbs, seed=cfg.seed + step,
+            )
+            t_train = time.time() - t_batch
+            stale = staleness(trajs, version)
+            version += 1
+            path = publish(cfg.exp_dir, version, backend.save_hf)
+            controller.call("weights_ready", version=version, path=str(path))
+            now = time.time()
+            record = {
+                "step": step + 1,
+                "version": version,
+                "time": now - t_start,
+                "reward/mean": stats.pop("reward/mean"),
+                "staleness/max": max(stale),
+                "staleness/mean": sum(stale) / len(stale),
+                "throughput/train_tokens_per_s": stats["train/n_tokens"] / (now - t_last),
+                "time/train_s": t_train,
+                "time/wait_batch_s": t_batch - t_last,
+                **stats,
+                **reply["stats"],
+            }
+            t_last = now
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+    controller.close()

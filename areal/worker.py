@@ -1,0 +1,101 @@
+"""Start one role of a run: `python -m areal.worker --role ROLE [--index K] --exp-dir DIR`.
+
+The launcher starts every role this way; starting one by hand (for debugging) works the
+same, given a running experiment directory: the role reads DIR/config.yaml, finds its
+peers in DIR/registry/, and registers its own address there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from areal.comm.registry import Registry, load_key
+from areal.comm.rpc import RpcServer
+from areal.config import load_config
+
+ROLES = ("controller", "rollout", "reward", "trainer")
+
+
+async def _serve_until_stopped(server: RpcServer, on_stop=None) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.close)
+    try:
+        await server.serve()
+    finally:
+        if on_stop:
+            on_stop()
+
+
+async def _rollout(cfg, index: int, key: bytes) -> None:
+    from areal.rollout.worker import RolloutWorker
+
+    registry = Registry(cfg.exp_dir)
+    url = registry.lookup("server", index, timeout=cfg.inference.startup_timeout_s)
+    worker = RolloutWorker(url, interruptible=cfg.rollout.interruptible)
+    await worker.client.wait_healthy(cfg.inference.startup_timeout_s)
+    server = RpcServer(key)
+    server.register("generate", worker.generate)
+    server.register("update_weights", worker.update_weights)
+    server.register("stats", worker.stats)
+    registry.register("rollout", index, server.address)
+    try:
+        await _serve_until_stopped(server)
+    finally:
+        await worker.client.close()
+
+
+async def _reward(cfg, index: int, key: bytes) -> None:
+    from areal.reward.service import RewardService
+
+    r = cfg.reward
+    service = RewardService(n_workers=r.n_workers, timeout_s=r.timeout_s, correct=r.correct,
+                            wrong=r.wrong)
+    server = RpcServer(key)
+    server.register("grade", service.grade)
+    server.register("stats", service.stats)
+    Registry(cfg.exp_dir).register("reward", index, server.address)
+    await _serve_until_stopped(server, service.close)
+
+
+def _controller(cfg, key: bytes) -> None:
+    from transformers import AutoTokenizer
+
+    from areal.controller.controller import run_controller
+    from areal.data.dataset import load_rows, tokenize_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
+    asyncio.run(run_controller(cfg, tokenizer, rows, key))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=ROLES, required=True)
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--exp-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format=f"%(asctime)s {args.role}{args.index} %(name)s %(levelname)s: %(message)s",
+    )
+    cfg = load_config(f"{args.exp_dir}/config.yaml")
+    key = load_key(args.exp_dir)
+    if args.role == "rollout":
+        asyncio.run(_rollout(cfg, args.index, key))
+    elif args.role == "reward":
+        asyncio.run(_reward(cfg, args.index, key))
+    elif args.role == "controller":
+        _controller(cfg, key)
+    else:
+        from areal.trainer.worker import run_trainer
+
+        run_trainer(cfg, key)
+
+
+if __name__ == "__main__":
+    main()
