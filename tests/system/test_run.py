@@ -181,3 +181,24 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
     proc = run_train(tmp_path, f"model.path={tmp_path / 'nope'}", timeout=60)
     assert proc.returncode == 2
     assert "holds no config.json" in proc.stderr
+
+
+def test_ctrl_c_stops_every_role(tmp_path):
+    exp_dir = tmp_path / "tiny/int"
+    launcher = subprocess.Popen(
+        train_cmd(tmp_path, "total_train_steps=100000", "trial_name=int"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        _wait_for(lambda: (exp_dir / "metrics.jsonl").exists(), 120, "a training step")
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130
+    assert "interrupted; stopping all roles" in err
+    _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
