@@ -64,7 +64,9 @@ def decoupled_ppo_loss(
     surrogate = ratio * advantages
     surrogate_clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip) * advantages
     objective = behav_weight * torch.minimum(surrogate, surrogate_clipped)
-    loss = -(objective * valid).sum() / denom
+    # Select, never multiply by the mask: an excluded token's weight may be inf (0 * inf = nan).
+    zero = torch.zeros_like(objective)
+    loss = -torch.where(valid, objective, zero).sum() / denom
 
     with torch.no_grad():
         n = n_local.clamp(min=1)
@@ -72,9 +74,9 @@ def decoupled_ppo_loss(
         stats = {
             "loss/clipfrac": (clipped.sum() / n).item(),
             # k3 estimator of KL(prox || theta): non-negative, low variance.
-            "loss/approx_kl": (((ratio - 1) - log_ratio) * valid).sum().div(n).item(),
-            "loss/behav_weight_mean": (behav_weight * valid).sum().div(n).item(),
-            "loss/behav_weight_max": (behav_weight * valid).max().item() if n_local else 0.0,
+            "loss/approx_kl": torch.where(valid, (ratio - 1) - log_ratio, zero).sum().div(n).item(),
+            "loss/behav_weight_mean": torch.where(valid, behav_weight, zero).sum().div(n).item(),
+            "loss/behav_weight_max": behav_weight[valid].max().item() if n_local else 0.0,
             "loss/n_valid_tokens": n_local.item(),
             "loss/n_capped_tokens": (loss_mask.bool() & ~valid).sum().item(),
         }

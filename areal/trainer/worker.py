@@ -31,9 +31,14 @@ def make_backend(cfg):
     t = cfg.trainer
     n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
     return TorchBackend(
-        cfg.model.path, lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
-        adam_eps=t.adam_eps, grad_clip=t.grad_clip,
-        warmup_steps=int(t.warmup_steps_ratio * n_updates), dtype=cfg.model.dtype,
+        cfg.model.path,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        betas=t.betas,
+        adam_eps=t.adam_eps,
+        grad_clip=t.grad_clip,
+        warmup_steps=int(t.warmup_steps_ratio * n_updates),
+        dtype=cfg.model.dtype,
         temperature=cfg.rollout.temperature,
     )
 
@@ -58,12 +63,16 @@ def run_trainer(cfg, key: bytes) -> None:
             trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
             t_batch = time.time()
             stats = train_step(
-                backend, trajs, eps_clip=cfg.ppo.eps_clip,
+                backend,
+                trajs,
+                eps_clip=cfg.ppo.eps_clip,
                 use_decoupled_loss=cfg.ppo.use_decoupled_loss,
                 behav_imp_weight_cap=cfg.ppo.behav_imp_weight_cap,
-                n_minibatches=cfg.ppo.n_minibatches, adv_norm=cfg.ppo.adv_norm,
+                n_minibatches=cfg.ppo.n_minibatches,
+                adv_norm=cfg.ppo.adv_norm,
                 max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,
-                min_n_mbs=cfg.trainer.mb_spec.min_n_mbs, seed=cfg.seed + step,
+                min_n_mbs=cfg.trainer.mb_spec.min_n_mbs,
+                seed=cfg.seed + step,
             )
             t_train = time.time() - t_batch
             stale = staleness(trajs, version)
