@@ -233,12 +233,14 @@ class TrainerConfig(_Section):
     """Torch threads of the trainer."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """Dynamic micro-batching."""
+    save_freq_steps: int = 0
+    """Save a checkpoint every this many steps (0: only after the last step)."""
 
     def __post_init__(self) -> None:
         self._check_types()
         self._one_of("backend", ("torch", "megatron"))
         self._positive("batch_size", "lr", "adam_eps", "grad_clip", "num_threads")
-        self._non_negative("weight_decay")
+        self._non_negative("weight_decay", "save_freq_steps")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             self._fail(
                 "betas", f"must be two numbers in [0, 1), got {self.betas!r}; e.g. [0.9, 0.95]"
@@ -309,6 +311,8 @@ class ExperimentConfig(_Section):
     """Training steps to run."""
     max_staleness: int = 4
     """The paper's eta: a trained sample is at most this many versions older than the trainer; 0 = synchronous RL."""  # noqa: E501
+    resume: bool = False
+    """Continue from the experiment directory's last checkpoint instead of starting afresh."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy model."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)

@@ -1,13 +1,14 @@
 """`python -m areal.train --config FILE [key.sub=value ...]`: config -> launcher -> exit code.
 
-    1) load and validate the config (fast: nothing heavy is imported before this)
-    2) prepare the experiment directory: key, config snapshot, logs, the model
-    3) start every role (locally, or as srun steps inside a SLURM allocation) and wait
+1) load and validate the config (fast: nothing heavy is imported before this)
+2) prepare the experiment directory: key, config snapshot, logs, the model
+3) start every role (locally, or as srun steps inside a SLURM allocation) and wait
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -15,32 +16,58 @@ from pathlib import Path
 from areal.config import ConfigError, load_config, save_config
 
 
-def prepare_experiment(cfg) -> None:
-    """Make the experiment directory ready for a fresh run and resolve the model path."""
+def prepare_experiment(cfg):
+    """Make the experiment directory ready for a fresh or resumed run; resolve the model."""
+    from areal.checkpoint import latest
     from areal.comm.registry import create_key
 
     exp = cfg.exp_dir
     exp.mkdir(parents=True, exist_ok=True)
-    # A fresh run must not find the previous run's addresses, weights or metrics.
+    ckpt = latest(exp) if cfg.resume else None
+    # Neither kind of run may find the previous run's addresses, weights or logs.
     for name in ("weights", "logs"):
         shutil.rmtree(exp / name, ignore_errors=True)
     for entry in (exp / "registry").glob("*/"):
         shutil.rmtree(entry, ignore_errors=True)
-    (exp / "metrics.jsonl").unlink(missing_ok=True)
+    metrics = exp / "metrics.jsonl"
+    if ckpt is None:
+        if cfg.resume:
+            print(f"areal: no checkpoint in {exp}; starting afresh")
+        shutil.rmtree(exp / "checkpoints", ignore_errors=True)
+        metrics.unlink(missing_ok=True)
+    else:
+        print(f"areal: resuming from {ckpt.path}")
+        for tmp in (exp / "checkpoints").glob("*.tmp"):  # a save cut short
+            shutil.rmtree(tmp, ignore_errors=True)
+        # Steps after the checkpoint will be trained again: their lines go.
+        if metrics.exists():
+            lines = [
+                ln
+                for ln in metrics.read_text().splitlines()
+                if ln.strip() and json.loads(ln)["version"] <= ckpt.version
+            ]
+            metrics.write_text("".join(ln + "\n" for ln in lines))
     (exp / "logs").mkdir()
     create_key(exp)
     if not cfg.model.path:
         from areal.models.tiny import make_tiny_model
 
         m = cfg.model
-        name = (f"tiny-h{m.tiny_hidden}-l{m.tiny_layers}-w{m.tiny_warmup_steps}"
-                f"-m{cfg.dataset.max_operand}-s{cfg.seed}")
+        name = (
+            f"tiny-h{m.tiny_hidden}-l{m.tiny_layers}-w{m.tiny_warmup_steps}"
+            f"-m{cfg.dataset.max_operand}-s{cfg.seed}"
+        )
         print(f"areal: using the tiny model {Path(cfg.fileroot) / 'models' / name}")
-        cfg.model.path = str(make_tiny_model(
-            Path(cfg.fileroot) / "models" / name, seed=cfg.seed, hidden=m.tiny_hidden,
-            layers=m.tiny_layers, warmup_steps=m.tiny_warmup_steps,
-            max_operand=cfg.dataset.max_operand,
-        ))
+        cfg.model.path = str(
+            make_tiny_model(
+                Path(cfg.fileroot) / "models" / name,
+                seed=cfg.seed,
+                hidden=m.tiny_hidden,
+                layers=m.tiny_layers,
+                warmup_steps=m.tiny_warmup_steps,
+                max_operand=cfg.dataset.max_operand,
+            )
+        )
     if not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(
             f"model.path={cfg.model.path!r} holds no config.json: point it at a Hugging Face "
@@ -48,6 +75,7 @@ def prepare_experiment(cfg) -> None:
             "for the tiny model"
         )
     save_config(cfg, exp / "config.yaml")
+    return ckpt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        prepare_experiment(cfg)
+        ckpt = prepare_experiment(cfg)
     except ConfigError as e:
         print(f"areal: config error: {e}", file=sys.stderr)
         return 2
     print(f"areal: experiment directory {cfg.exp_dir}")
+    if ckpt is not None and ckpt.version >= cfg.total_train_steps:
+        print(f"areal: the checkpoint already has {ckpt.version} of {cfg.total_train_steps} steps")
+        return 0
     if cfg.launcher.type != "local":
-        print(f"areal: launcher.type={cfg.launcher.type!r} is not available yet; use local",
-              file=sys.stderr)
+        print(
+            f"areal: launcher.type={cfg.launcher.type!r} is not available yet; use local",
+            file=sys.stderr,
+        )
         return 2
     from areal.launcher.local import LocalLauncher
 

@@ -53,8 +53,9 @@ async def _reward(cfg, index: int, key: bytes) -> None:
     from areal.reward.service import RewardService
 
     r = cfg.reward
-    service = RewardService(n_workers=r.n_workers, timeout_s=r.timeout_s, correct=r.correct,
-                            wrong=r.wrong)
+    service = RewardService(
+        n_workers=r.n_workers, timeout_s=r.timeout_s, correct=r.correct, wrong=r.wrong
+    )
     server = RpcServer(key)
     server.register("grade", service.grade)
     server.register("stats", service.stats)
@@ -65,12 +66,14 @@ async def _reward(cfg, index: int, key: bytes) -> None:
 def _controller(cfg, key: bytes) -> None:
     from transformers import AutoTokenizer
 
+    from areal.checkpoint import latest
     from areal.controller.controller import run_controller
     from areal.data.dataset import load_rows, tokenize_rows
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
-    asyncio.run(run_controller(cfg, tokenizer, rows, key))
+    resume_from = latest(cfg.exp_dir) if cfg.resume else None
+    asyncio.run(run_controller(cfg, tokenizer, rows, key, resume_from))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exp-dir", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
+        level=logging.INFO,
+        stream=sys.stderr,
         format=f"%(asctime)s {args.role}{args.index} %(name)s %(levelname)s: %(message)s",
     )
     cfg = load_config(f"{args.exp_dir}/config.yaml")

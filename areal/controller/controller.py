@@ -21,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import signal
 import time
+from pathlib import Path
 
+from areal.checkpoint import Checkpoint
 from areal.comm.registry import Registry
 from areal.comm.rpc import RpcClient, RpcServer
+from areal.comm.wire import pack, unpack
 from areal.controller.buffer import ReplayBuffer
 from areal.controller.staleness import StalenessGate
 from areal.trajectory import Trajectory
@@ -34,23 +38,25 @@ log = logging.getLogger("areal.controller")
 
 
 class Controller:
-    def __init__(self, cfg, rows: list[dict], tokenizer, workers: list[RpcClient],
-                 reward: RpcClient):
+    def __init__(
+        self, cfg, rows: list[dict], tokenizer, workers: list[RpcClient], reward: RpcClient
+    ):
         self.cfg = cfg
         self.rows = rows
         self.tokenizer = tokenizer
         self.workers = workers
         self.reward = reward
-        self.gate = StalenessGate(cfg.trainer.batch_size, cfg.max_staleness,
-                                  cfg.rollout.max_concurrent)
+        self.gate = StalenessGate(
+            cfg.trainer.batch_size, cfg.max_staleness, cfg.rollout.max_concurrent
+        )
         self.buffer = ReplayBuffer()
         self.changed = asyncio.Condition()
-        self.done = asyncio.Event()
         self._load = [0] * len(workers)  # groups in flight per worker
         self._retry: list[dict] = []  # prompts whose group failed: generated again first
-        self._order = list(range(len(rows)))
-        self._pos = 0
+        self._rows_in_flight: dict[int, dict] = {}  # buffer index -> its prompt
         self._epoch = 0
+        self._pos = 0
+        self._order = self._epoch_order(0)
         self._update_lock = asyncio.Lock()
         self._tokens_generated = 0
         self._last_stats_time = time.time()
@@ -62,45 +68,57 @@ class Controller:
         }
 
     # ---- admission -------------------------------------------------------------------
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.cfg.seed + epoch).shuffle(order)
+        return order
+
     def _next_row(self) -> dict:
         if self._retry:
             return self._retry.pop(0)
-        if self._pos == 0:
-            random.Random(self.cfg.seed + self._epoch).shuffle(self._order)
         row = self.rows[self._order[self._pos]]
         self._pos += 1
         if self._pos == len(self._order):
-            self._pos, self._epoch = 0, self._epoch + 1
+            self._epoch, self._pos = self._epoch + 1, 0
+            self._order = self._epoch_order(self._epoch)
         return row
 
     async def admit_loop(self) -> None:
         tasks: set[asyncio.Task] = set()
-        while not self.done.is_set():
+        try:
+            await self._admit_forever(tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _admit_forever(self, tasks: set[asyncio.Task]) -> None:
+        while True:
             async with self.changed:
-                await self.changed.wait_for(lambda: self.gate.capacity() > 0 or self.done.is_set())
-                if self.done.is_set():
-                    break
+                await self.changed.wait_for(lambda: self.gate.capacity() > 0)
                 start_version = self.gate.on_rollout_submitted()
                 index = self.buffer.reserve(start_version)
-            task = asyncio.create_task(self._rollout_group(index, self._next_row(), start_version))
+                row = self._rows_in_flight[index] = self._next_row()
+            task = asyncio.create_task(self._rollout_group(index, row, start_version))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        for t in tasks:
-            t.cancel()
 
     async def _rollout_group(self, index: int, row: dict, start_version: int) -> None:
         k = min(range(len(self.workers)), key=lambda j: self._load[j])
         self._load[k] += 1
         try:
             wire = await self.workers[k].call(
-                "generate", group_id=index, prompt_ids=row["prompt_ids"],
-                n=self.cfg.rollout.group_size, sampling_params=self.sampling,
+                "generate",
+                group_id=index,
+                prompt_ids=row["prompt_ids"],
+                n=self.cfg.rollout.group_size,
+                sampling_params=self.sampling,
                 start_version=start_version,
             )
             trajs = [Trajectory.from_wire(w) for w in wire]
             texts = [self.tokenizer.decode(t.output_ids, skip_special_tokens=True) for t in trajs]
-            rewards = await self.reward.call("grade", task=row["task"], responses=texts,
-                                             answer=row["answer"])
+            rewards = await self.reward.call(
+                "grade", task=row["task"], responses=texts, answer=row["answer"]
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -108,7 +126,7 @@ class Controller:
             async with self.changed:
                 self.gate.on_rollout_rejected()
                 self.buffer.discard(index)
-                self._retry.append(row)
+                self._retry.append(self._rows_in_flight.pop(index))
                 self.changed.notify_all()
             return
         finally:
@@ -116,6 +134,8 @@ class Controller:
         for t, r in zip(trajs, rewards, strict=True):
             t.reward = r
         async with self.changed:
+            # In one step with the buffer, so a checkpoint sees the group in exactly one place.
+            self._rows_in_flight.pop(index)
             self._tokens_generated += sum(len(t.output_ids) for t in trajs)
             self.gate.on_rollout_accepted()
             self.buffer.put(index, trajs)
@@ -152,6 +172,34 @@ class Controller:
             "reward/errors": reward_stats["errors"],
         }
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs: groups in flight are generated again from their prompts."""
+        return {
+            "epoch": self._epoch,
+            "pos": self._pos,
+            "retry": list(self._rows_in_flight.values()) + self._retry,
+            "buffer": self.buffer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        self._epoch, self._pos = state["epoch"], state["pos"]
+        self._order = self._epoch_order(self._epoch)
+        self._retry = list(state["retry"])
+        self.buffer.load_state_dict(state["buffer"])
+        # Rebuilt from the version, never carried over: in-flight groups were lost.
+        self.gate = StalenessGate(
+            self.cfg.trainer.batch_size,
+            self.cfg.max_staleness,
+            self.cfg.rollout.max_concurrent,
+            version=version,
+            n_accepted=self.cfg.trainer.batch_size * version + len(self.buffer),
+        )
+
+    async def save_state(self, path: str) -> dict:
+        """Write the controller's part of a checkpoint (the trainer commits it)."""
+        Path(path).write_bytes(pack(self.state_dict()))
+        return {}
+
     async def weights_ready(self, version: int, path: str) -> dict:
         """The trainer published `version`: load it on every server, in the background."""
         asyncio.create_task(self._update_weights(version, path))
@@ -167,13 +215,11 @@ class Controller:
                 self.changed.notify_all()
             # Every server acknowledged `version`: older directories are no longer needed.
             retire_older_than(self.cfg.exp_dir, version)
-            if version >= self.cfg.total_train_steps:
-                self.done.set()
-                async with self.changed:
-                    self.changed.notify_all()
 
 
-async def run_controller(cfg, tokenizer, rows: list[dict], key: bytes) -> None:
+async def run_controller(
+    cfg, tokenizer, rows: list[dict], key: bytes, resume_from: Checkpoint | None = None
+) -> None:
     registry = Registry(cfg.exp_dir)
     # Rollout workers register once their server is healthy, which can take minutes.
     wait_s = cfg.inference.startup_timeout_s + 60
@@ -181,17 +227,37 @@ async def run_controller(cfg, tokenizer, rows: list[dict], key: bytes) -> None:
     workers = [RpcClient(a, key) for a in addresses]
     reward = RpcClient(registry.lookup("reward", 0, timeout=wait_s), key)
     controller = Controller(cfg, rows, tokenizer, workers, reward)
+    if resume_from is not None:
+        controller.load_state_dict(
+            unpack(resume_from.controller_state.read_bytes()), resume_from.version
+        )
+        log.info(
+            "resumed at version %d with %d ready groups",
+            resume_from.version,
+            len(controller.buffer),
+        )
     server = RpcServer(key)
     server.register("get_batch", controller.get_batch)
     server.register("weights_ready", controller.weights_ready)
+    server.register("save_state", controller.save_state)
     serve = asyncio.create_task(server.serve())
     registry.register("controller", 0, server.address)
     admit = asyncio.create_task(controller.admit_loop())
+    # The run ends when the trainer has finished and the launcher stops us.
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    stopped = asyncio.create_task(stop.wait())
     try:
-        await controller.done.wait()
+        done, _ = await asyncio.wait({serve, admit, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stopped not in done:  # a loop that ends by itself is a failure: surface it
+            for t in done:
+                t.result()
+            raise RuntimeError("a controller loop ended unexpectedly")
     finally:
         admit.cancel()
+        stopped.cancel()
         server.close()
-        await asyncio.gather(serve, admit, return_exceptions=True)
+        await asyncio.gather(serve, admit, stopped, return_exceptions=True)
         for c in [*workers, reward]:
             c.close()

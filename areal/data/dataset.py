@@ -12,9 +12,7 @@ log = logging.getLogger("areal.data")
 def load_rows(dataset_cfg, seed: int) -> list[dict]:
     if dataset_cfg.type == "arith":
         return arith.make_problems(dataset_cfg.n_problems, dataset_cfg.max_operand, seed)
-    raise ValueError(
-        f"dataset.type={dataset_cfg.type!r} has no loader yet; use dataset.type=arith"
-    )
+    raise ValueError(f"dataset.type={dataset_cfg.type!r} has no loader yet; use dataset.type=arith")
 
 
 def tokenize_rows(rows: list[dict], tokenizer, max_prompt_len: int) -> list[dict]:
@@ -23,15 +21,18 @@ def tokenize_rows(rows: list[dict], tokenizer, max_prompt_len: int) -> list[dict
     for row in rows:
         ids = tokenizer.apply_chat_template(
             [{"role": "user", "content": row["prompt"]}],
-            add_generation_prompt=True, tokenize=True, return_dict=False,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
         if len(ids) <= max_prompt_len:
             out.append({**row, "prompt_ids": list(ids)})
     if len(out) < len(rows):
-        log.warning("dropped %d prompts longer than dataset.max_prompt_len=%d",
-                    len(rows) - len(out), max_prompt_len)
-    if not out:
-        raise ValueError(
-            f"no prompt fits dataset.max_prompt_len={max_prompt_len}: raise it"
+        log.warning(
+            "dropped %d prompts longer than dataset.max_prompt_len=%d",
+            len(rows) - len(out),
+            max_prompt_len,
         )
+    if not out:
+        raise ValueError(f"no prompt fits dataset.max_prompt_len={max_prompt_len}: raise it")
     return out

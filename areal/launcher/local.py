@@ -6,13 +6,13 @@
 
 Each child runs in its own process group (so its own children, such as grading pools,
 are stopped with it) and gets SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG), so a
-run never leaves orphans. The run succeeds when the trainer and the controller exit 0;
-any other exit of any role stops everything and names the role with the tail of its log.
+run never leaves orphans. The run succeeds when the trainer exits 0 (after its last
+checkpoint); the other roles are services, stopped then. Any other exit of any role stops
+everything and names the role with the tail of its log.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -25,9 +25,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from areal.checkpoint import latest
 from areal.comm.registry import Registry
+from areal.process import die_with_parent
 
-_FINITE_ROLES = ("trainer0", "controller0")  # the run is over when these exit 0
+_LAST_ROLE = "trainer0"  # the run is over when the trainer exits 0; the rest are services
 
 
 @dataclass
@@ -35,12 +37,6 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log: Path
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGKILL it when the launcher dies.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -73,8 +69,12 @@ class LocalLauncher:
         log = self.log_dir / f"{name}.log"
         with open(log, "w") as f:
             popen = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self.procs.append(Proc(name, popen, log))
@@ -99,13 +99,19 @@ class LocalLauncher:
             raise ValueError(
                 f"inference.backend={cfg.inference.backend!r} is not available yet; use embedded"
             )
-        return [
-            cfg.inference.python or sys.executable, "-m", "areal.rollout.server",
-            "--model", cfg.model.path, "--port", str(port),
-            "--max-batch-size", str(cfg.inference.max_batch_size),
-            "--num-threads", str(cfg.inference.num_threads),
-            "--seed", str(cfg.seed + k), "--weight-version", "0",
-        ]
+        # A resumed run's servers start from the checkpoint's weights and version.
+        ckpt = latest(self.exp_dir) if cfg.resume else None
+        model, version = (str(ckpt.model_dir), ckpt.version) if ckpt else (cfg.model.path, 0)
+        args = {
+            "--model": model,
+            "--port": port,
+            "--max-batch-size": cfg.inference.max_batch_size,
+            "--num-threads": cfg.inference.num_threads,
+            "--seed": cfg.seed + k,
+            "--weight-version": version,
+        }
+        python = cfg.inference.python or sys.executable
+        return [python, "-m", "areal.rollout.server", *(str(x) for kv in args.items() for x in kv)]
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         for p in self.procs:
@@ -133,15 +139,12 @@ class LocalLauncher:
         progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps)
         try:
             self.start_all()
+            trainer = next(p for p in self.procs if p.name == _LAST_ROLE)
             while True:
                 progress.poll()
-                finished = set()
                 for p in self.procs:
                     rc = p.popen.poll()
-                    if rc is None:
-                        continue
-                    if rc == 0 and p.name in _FINITE_ROLES:
-                        finished.add(p.name)
+                    if rc is None or (rc == 0 and p.name == _LAST_ROLE):
                         continue
                     progress.close()
                     print(
@@ -150,7 +153,7 @@ class LocalLauncher:
                         file=sys.stderr,
                     )
                     return 1
-                if finished == set(_FINITE_ROLES):
+                if trainer.popen.poll() == 0:
                     progress.poll()
                     progress.close()
                     print(f"areal: run finished; metrics in {self.exp_dir / 'metrics.jsonl'}")
@@ -170,8 +173,9 @@ class Progress:
     def __init__(self, path: Path, total_steps: int):
         self.path = path
         self.offset = 0
-        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout,
-                        disable=None)
+        self.bar = tqdm(
+            total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout, disable=None
+        )
 
     def poll(self) -> None:
         if not self.path.exists():

@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from areal.data import arith
+from areal.process import die_with_parent
 
 log = logging.getLogger("areal.reward")
 
@@ -33,7 +34,7 @@ class RewardService:
         self.timeout_s = timeout_s
         self.correct = correct
         self.wrong = wrong
-        self.pool = ProcessPoolExecutor(n_workers)
+        self.pool = ProcessPoolExecutor(n_workers, initializer=die_with_parent)
         self.counts = {"graded": 0, "timeouts": 0, "errors": 0}
 
     async def grade(self, task: str, responses: list[str], answer: str) -> list[float]:
@@ -61,7 +62,7 @@ class RewardService:
         return False
 
     def _restart_pool(self) -> None:
-        old, self.pool = self.pool, ProcessPoolExecutor(self.n_workers)
+        old, self.pool = self.pool, ProcessPoolExecutor(self.n_workers, initializer=die_with_parent)
         for proc in list(getattr(old, "_processes", {}).values()):
             proc.kill()
         old.shutdown(wait=False, cancel_futures=True)

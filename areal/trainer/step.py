@@ -49,7 +49,7 @@ def _accumulate(stats: dict[str, float], mb_stats: dict[str, float]) -> None:
             stats[k] = stats.get(k, 0.0) + v
 
 
-def _micro_batches(backend, seqs, idx: list[int], max_tokens_per_mb: int, min_n_mbs: int):
+def _micro_batches(seqs, idx: list[int], max_tokens_per_mb: int, min_n_mbs: int):
     return [
         [idx[k] for k in mb]
         for mb in allocate_micro_batches([len(seqs[i]) for i in idx], max_tokens_per_mb, min_n_mbs)
@@ -60,7 +60,7 @@ def _micro_batches(backend, seqs, idx: list[int], max_tokens_per_mb: int, min_n_
 def proximal_logprobs(backend, seqs, max_tokens_per_mb: int) -> list[torch.Tensor]:
     """Log-probs of every sequence under the current weights, one tensor per sequence."""
     result: list[torch.Tensor | None] = [None] * len(seqs)
-    for mb in _micro_batches(backend, seqs, list(range(len(seqs))), max_tokens_per_mb, 1):
+    for mb in _micro_batches(seqs, list(range(len(seqs))), max_tokens_per_mb, 1):
         stream = backend.logprobs([seqs[i] for i in mb]).float().cpu()
         for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
             result[i] = part
@@ -112,7 +112,7 @@ def train_step(
             .item()
             for i in minibatch
         )
-        for mb in _micro_batches(backend, seqs, minibatch, max_tokens_per_mb, min_n_mbs):
+        for mb in _micro_batches(seqs, minibatch, max_tokens_per_mb, min_n_mbs):
             logprobs = backend.logprobs([seqs[i] for i in mb])
             cat = {
                 k: torch.cat([tokens[i][k] for i in mb]).to(logprobs.device)

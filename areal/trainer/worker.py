@@ -13,10 +13,13 @@ It never waits for the inference servers: they load each version while it trains
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from pathlib import Path
 
 import torch
 
+from areal.checkpoint import checkpoint_dir, commit, latest, load_state, save_state
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.trainer.step import train_step
@@ -25,13 +28,13 @@ from areal.trajectory import Trajectory
 from areal.weights import publish
 
 
-def make_backend(cfg):
+def make_backend(cfg, model_dir):
     if cfg.trainer.backend != "torch":
         raise ValueError(f"trainer.backend={cfg.trainer.backend!r} is not available yet; use torch")
     t = cfg.trainer
     n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
     return TorchBackend(
-        cfg.model.path,
+        model_dir,
         lr=t.lr,
         weight_decay=t.weight_decay,
         betas=t.betas,
@@ -48,17 +51,45 @@ def staleness(trajs: list[Trajectory], version: int) -> list[int]:
     return [version - min(t.versions, default=version) for t in trajs]
 
 
+def last_time(metrics_path: Path) -> float:
+    """Seconds the run had lasted at its last metrics line (0 for a fresh run)."""
+    if not metrics_path.exists():
+        return 0.0
+    lines = metrics_path.read_text().splitlines()
+    return json.loads(lines[-1])["time"] if lines else 0.0
+
+
+def save_checkpoint(cfg, backend, controller: SyncRpcClient, version: int) -> None:
+    """Trainer and controller state of `version`, committed together."""
+    tmp = checkpoint_dir(cfg.exp_dir, version).with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    backend.save_hf(tmp / "model")
+    save_state(backend.state_dict(), tmp / "trainer.json", tmp / "optimizer.safetensors")
+    controller.call("save_state", path=str(tmp / "controller.msgpack"))
+    commit(tmp, version, cfg.exp_dir)
+
+
 def run_trainer(cfg, key: bytes) -> None:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
-    backend = make_backend(cfg)
+    resume_from = latest(cfg.exp_dir) if cfg.resume else None
+    backend = make_backend(cfg, resume_from.model_dir if resume_from else cfg.model.path)
+    version = 0
+    if resume_from:
+        backend.load_state_dict(
+            load_state(
+                resume_from.path / "trainer.json", resume_from.path / "optimizer.safetensors"
+            )
+        )
+        version = resume_from.version
     wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
     controller = SyncRpcClient(Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s), key)
     metrics_path = cfg.exp_dir / "metrics.jsonl"
-    t_start = t_last = time.time()
-    version = 0
+    t_last = time.time()
+    t_start = t_last - last_time(metrics_path)  # a resumed run's clock goes on
     with open(metrics_path, "a") as metrics:
-        for step in range(cfg.total_train_steps):
+        for step in range(version, cfg.total_train_steps):
             reply = controller.call("get_batch", version=version)
             trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
             t_batch = time.time()
@@ -96,4 +127,7 @@ def run_trainer(cfg, key: bytes) -> None:
             t_last = now
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+            freq = cfg.trainer.save_freq_steps
+            if version == cfg.total_train_steps or (freq and version % freq == 0):
+                save_checkpoint(cfg, backend, controller, version)
     controller.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,7 +62,7 @@ def processes_mentioning(text: str) -> list[int]:
 
 def test_tiny_run_learns(tmp_path):
     """The README's run, shortened: exits 0, writes the metrics, and the reward rises."""
-    steps = 80
+    steps = 100
     proc = run_train(tmp_path, f"total_train_steps={steps}", "trial_name=learn")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(tmp_path / "tiny/learn")
@@ -74,7 +75,7 @@ def test_tiny_run_learns(tmp_path):
     first = sum(m["reward/mean"] for m in metrics[:fifth]) / fifth
     last = sum(m["reward/mean"] for m in metrics[-fifth:]) / fifth
     assert last > first + 1.0, (first, last)
-    assert "step   80" in proc.stdout and "run finished" in proc.stdout
+    assert "step  100" in proc.stdout and "run finished" in proc.stdout
     # Every version the servers acknowledged is retired except the newest ones.
     assert len(list((tmp_path / "tiny/learn/weights").iterdir())) <= 2
     assert processes_mentioning(str(tmp_path)) == []
@@ -87,6 +88,24 @@ def test_zero_staleness_is_synchronous(tmp_path):
     metrics = read_metrics(tmp_path / "tiny/sync")
     assert len(metrics) == 8
     assert all(m["staleness/max"] == 0 for m in metrics)
+
+
+@contextlib.contextmanager
+def launched(tmp_path: Path, *overrides: str):
+    """`python -m areal.train` running in the background; killed if the test fails."""
+    launcher = subprocess.Popen(
+        train_cmd(tmp_path, *overrides),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -103,14 +122,7 @@ def _wait_for(predicate, timeout: float, what: str):
 def test_killed_role_stops_the_run(tmp_path, role):
     """Killing any one role makes the launcher stop the others and exit non-zero naming it."""
     exp_dir = tmp_path / "tiny/kill"
-    launcher = subprocess.Popen(
-        train_cmd(tmp_path, "total_train_steps=100000", "trial_name=kill"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
+    with launched(tmp_path, "total_train_steps=100000", "trial_name=kill") as launcher:
         # Wait until training is under way, so every role is up.
         _wait_for(
             lambda: (
@@ -128,9 +140,6 @@ def test_killed_role_stops_the_run(tmp_path, role):
         os.kill(victims[0], signal.SIGKILL)
         out, err = launcher.communicate(timeout=60)
         assert time.time() - t_kill < 15
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     assert launcher.returncode != 0
     assert f"role {role} was killed by SIGKILL" in err, err[-2000:]
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
@@ -138,14 +147,7 @@ def test_killed_role_stops_the_run(tmp_path, role):
 
 def test_forged_frames_are_dropped_and_the_run_goes_on(tmp_path):
     exp_dir = tmp_path / "tiny/forge"
-    launcher = subprocess.Popen(
-        train_cmd(tmp_path, "total_train_steps=30", "trial_name=forge"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
+    with launched(tmp_path, "total_train_steps=30", "trial_name=forge") as launcher:
         address = Registry(exp_dir).lookup("controller", 0, timeout=120)
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
@@ -158,9 +160,6 @@ def test_forged_frames_are_dropped_and_the_run_goes_on(tmp_path):
         assert sock.poll(1000) == 0, "a forged frame was answered"
         sock.close()
         out, err = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     assert launcher.returncode == 0, err[-3000:]
     assert len(read_metrics(exp_dir)) == 30
     log = (exp_dir / "logs/controller0.log").read_text()
@@ -185,20 +184,38 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
 
 def test_ctrl_c_stops_every_role(tmp_path):
     exp_dir = tmp_path / "tiny/int"
-    launcher = subprocess.Popen(
-        train_cmd(tmp_path, "total_train_steps=100000", "trial_name=int"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
+    with launched(tmp_path, "total_train_steps=100000", "trial_name=int") as launcher:
         _wait_for(lambda: (exp_dir / "metrics.jsonl").exists(), 120, "a training step")
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=30)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     assert launcher.returncode == 130
     assert "interrupted; stopping all roles" in err
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
+
+
+def test_resume_after_a_crash(tmp_path):
+    """The launcher dies mid-run (its roles die with it); resume=true continues from the
+    last checkpoint, retrains the lost steps once, and rebuilds the staleness counters."""
+    exp_dir = tmp_path / "tiny/res"
+    common = ("trial_name=res", "trainer.save_freq_steps=4")
+    with launched(tmp_path, "total_train_steps=100000", *common) as launcher:
+        _wait_for(
+            lambda: (exp_dir / "checkpoints/v000004").exists() and len(read_metrics(exp_dir)) >= 6,
+            120,
+            "a checkpoint and two more steps",
+        )
+        launcher.kill()
+        launcher.communicate()
+    _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
+    lost = len(read_metrics(exp_dir)) - 4
+    proc = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout and lost >= 2
+    metrics = read_metrics(exp_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    assert [m["version"] for m in metrics] == list(range(1, 11))
+    assert all(m["staleness/max"] <= 4 for m in metrics)
+    assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == ["v000010"]
+    # Nothing left to do: a second resume exits at once.
+    again = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)
+    assert again.returncode == 0 and "already has 10 of 10 steps" in again.stdout

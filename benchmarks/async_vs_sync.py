@@ -1,0 +1,70 @@
+"""Asynchronous (eta = 4) against synchronous (eta = 0) RL on the tiny config, one run each.
+
+    python benchmarks/async_vs_sync.py [--steps 60] [--repeats 1] [key=value ...]
+
+Effective training throughput is the paper's: generated tokens consumed by PPO updates per
+second of wall time, after warm-up (the first fifth of the steps is left out). Prints both
+variants side by side and their ratio on the last line; with --repeats > 1, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(fileroot: str, name: str, steps: int, overrides: list[str]) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal.train",
+        "--config",
+        str(ROOT / "configs/tiny.yaml"),
+        f"fileroot={fileroot}",
+        f"trial_name={name}",
+        f"total_train_steps={steps}",
+        *overrides,
+    ]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    lines = (Path(fileroot) / "tiny" / name / "metrics.jsonl").read_text().splitlines()
+    m = [json.loads(line) for line in lines]
+    warm = len(m) // 5
+    tokens = sum(x["train/n_tokens"] for x in m[warm + 1 :])
+    seconds = m[-1]["time"] - m[warm]["time"]
+    return {
+        "tokens_per_s": tokens / seconds,
+        "wall_s": m[-1]["time"],
+        "final_reward": statistics.mean(x["reward/mean"] for x in m[-warm:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
+    args = parser.parse_args()
+    variants = {"async eta=4": ["max_staleness=4"], "sync eta=0": ["max_staleness=0"]}
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as root:
+        for r in range(args.repeats):
+            for name, extra in variants.items():  # interleaved: both see the same machine
+                tag = name.split()[0] + str(r)
+                results[name].append(run(root, tag, args.steps, [*extra, *args.overrides]))
+    med = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in results.items()}
+    print(f"{'variant':<12} {'train tok/s':>12} {'wall s':>8} {'final reward':>13}")
+    for v, m in med.items():
+        print(f"{v:<12} {m['tokens_per_s']:>12.1f} {m['wall_s']:>8.1f} {m['final_reward']:>+13.2f}")
+    a, s = med["async eta=4"], med["sync eta=0"]
+    print(f"async/sync effective training throughput: {a['tokens_per_s'] / s['tokens_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
