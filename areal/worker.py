@@ -20,15 +20,11 @@ from areal.config import load_config
 ROLES = ("controller", "rollout", "reward", "trainer")
 
 
-async def _serve_until_stopped(server: RpcServer, on_stop=None) -> None:
+async def _serve_until_stopped(server: RpcServer) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.close)
-    try:
-        await server.serve()
-    finally:
-        if on_stop:
-            on_stop()
+    await server.serve()
 
 
 async def _rollout(cfg, index: int, key: bytes) -> None:
@@ -60,7 +56,10 @@ async def _reward(cfg, index: int, key: bytes) -> None:
     server.register("grade", service.grade)
     server.register("stats", service.stats)
     Registry(cfg.exp_dir).register("reward", index, server.address)
-    await _serve_until_stopped(server, service.close)
+    try:
+        await _serve_until_stopped(server)
+    finally:
+        service.close()
 
 
 def _controller(cfg, key: bytes) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from areal.data.arith import make_problems
 
@@ -132,6 +133,7 @@ def make_tiny_model(
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
+    hf_logging.disable_progress_bar()  # the launcher's console shows training, not file writes
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(seed)
     with torch.device("cpu"):

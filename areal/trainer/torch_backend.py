@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from areal.trainer.batching import pack_sequences
 
@@ -45,6 +46,7 @@ class TorchBackend:
         temperature: float = 1.0,
         device: str | None = None,
     ):
+        hf_logging.disable_progress_bar()  # one bar per published version would flood the log
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
