@@ -15,16 +15,19 @@ is shared storage, and a checkpoint must be safe to load from anyone's experimen
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-_NAME = re.compile(r"^v(\d{6})$")
+from areal.weights import version_name, versions_in, write_atomically
+
+CONTROLLER_STATE = "controller.msgpack"
+_TRAINER_STATE = "trainer.json"
+_OPTIMIZER_TENSORS = "optimizer.safetensors"
 
 
 @dataclass(frozen=True)
@@ -38,28 +41,24 @@ class Checkpoint:
 
     @property
     def controller_state(self) -> Path:
-        return self.path / "controller.msgpack"
+        return self.path / CONTROLLER_STATE
 
 
-def checkpoint_dir(exp_dir: str | Path, version: int) -> Path:
-    return Path(exp_dir) / "checkpoints" / f"v{version:06d}"
+def checkpoints_root(exp_dir: str | Path) -> Path:
+    return Path(exp_dir) / "checkpoints"
 
 
 def latest(exp_dir: str | Path) -> Checkpoint | None:
     """The newest complete checkpoint, if any."""
-    root = Path(exp_dir) / "checkpoints"
-    found = [int(m.group(1)) for p in root.glob("v*") if (m := _NAME.match(p.name))]
+    found = versions_in(checkpoints_root(exp_dir))
     if not found:
         return None
-    v = max(found)
-    return Checkpoint(v, checkpoint_dir(exp_dir, v))
+    return Checkpoint(found[-1], checkpoints_root(exp_dir) / version_name(found[-1]))
 
 
-def commit(tmp: Path, version: int, exp_dir: str | Path) -> Checkpoint:
-    """Make a fully written tmp directory the latest checkpoint and drop older ones."""
-    final = checkpoint_dir(exp_dir, version)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
+def save(exp_dir: str | Path, version: int, write: Callable[[Path], None]) -> Checkpoint:
+    """Call write(tmp_dir) for every role's part, commit it as the latest, drop older ones."""
+    final = write_atomically(checkpoints_root(exp_dir) / version_name(version), write)
     for p in final.parent.iterdir():
         if p != final:
             shutil.rmtree(p, ignore_errors=True)
@@ -89,12 +88,13 @@ def _join(obj, tensors: dict[str, torch.Tensor]):
     return obj
 
 
-def save_state(state: dict, json_path: Path, tensors_path: Path) -> None:
+def save_trainer_state(directory: Path, state: dict) -> None:
     tensors: dict[str, torch.Tensor] = {}
     tree = _split(state, tensors, "s")
-    save_file(tensors, str(tensors_path))
-    json_path.write_text(json.dumps(tree))
+    save_file(tensors, str(directory / _OPTIMIZER_TENSORS))
+    (directory / _TRAINER_STATE).write_text(json.dumps(tree))
 
 
-def load_state(json_path: Path, tensors_path: Path) -> dict:
-    return _join(json.loads(json_path.read_text()), load_file(str(tensors_path)))
+def load_trainer_state(directory: Path) -> dict:
+    tensors = load_file(str(directory / _OPTIMIZER_TENSORS))
+    return _join(json.loads((directory / _TRAINER_STATE).read_text()), tensors)

@@ -18,7 +18,7 @@ from areal.config import ConfigError, load_config, save_config
 
 def prepare_experiment(cfg):
     """Make the experiment directory ready for a fresh or resumed run; resolve the model."""
-    from areal.checkpoint import latest
+    from areal.checkpoint import checkpoints_root, latest
     from areal.comm.registry import create_key
 
     exp = cfg.exp_dir
@@ -33,12 +33,10 @@ def prepare_experiment(cfg):
     if ckpt is None:
         if cfg.resume:
             print(f"areal: no checkpoint in {exp}; starting afresh")
-        shutil.rmtree(exp / "checkpoints", ignore_errors=True)
+        shutil.rmtree(checkpoints_root(exp), ignore_errors=True)
         metrics.unlink(missing_ok=True)
     else:
         print(f"areal: resuming from {ckpt.path}")
-        for tmp in (exp / "checkpoints").glob("*.tmp"):  # a save cut short
-            shutil.rmtree(tmp, ignore_errors=True)
         # Steps after the checkpoint will be trained again: their lines go.
         if metrics.exists():
             lines = [

@@ -18,32 +18,45 @@ from pathlib import Path
 _NAME = re.compile(r"^v(\d{6})$")
 
 
-def weights_root(exp_dir: str | Path) -> Path:
-    return Path(exp_dir) / "weights"
+def version_name(version: int) -> str:
+    """The directory name of a version, here and in checkpoints/: v000007."""
+    return f"v{version:06d}"
 
 
-def version_dir(exp_dir: str | Path, version: int) -> Path:
-    return weights_root(exp_dir) / f"v{version:06d}"
+def versions_in(root: Path) -> list[int]:
+    """Versions with a complete directory under root (half-written `.tmp` ones excluded)."""
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _NAME.match(p.name)))
 
 
-def publish(exp_dir: str | Path, version: int, write: Callable[[Path], None]) -> Path:
-    """Call write(tmp_dir) and atomically rename tmp_dir to the version's directory."""
-    final = version_dir(exp_dir, version)
+def write_atomically(final: Path, write: Callable[[Path], None]) -> Path:
+    """Call write(tmp_dir), then rename tmp_dir to final: readers see all of it or nothing."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
-    if final.exists():  # a resumed run republishing a version it had already written
+    if final.exists():  # a resumed run writing a version again
         shutil.rmtree(final)
     os.rename(tmp, final)
     return final
 
 
+def weights_root(exp_dir: str | Path) -> Path:
+    return Path(exp_dir) / "weights"
+
+
+def version_dir(exp_dir: str | Path, version: int) -> Path:
+    return weights_root(exp_dir) / version_name(version)
+
+
+def publish(exp_dir: str | Path, version: int, write: Callable[[Path], None]) -> Path:
+    """Call write(tmp_dir) and atomically rename tmp_dir to the version's directory."""
+    return write_atomically(version_dir(exp_dir, version), write)
+
+
 def published_versions(exp_dir: str | Path) -> list[int]:
-    root = weights_root(exp_dir)
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _NAME.match(p.name)))
+    return versions_in(weights_root(exp_dir))
 
 
 def retire_older_than(exp_dir: str | Path, version: int) -> list[int]:

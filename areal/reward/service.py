@@ -34,7 +34,7 @@ class RewardService:
         self.timeout_s = timeout_s
         self.correct = correct
         self.wrong = wrong
-        self.pool = ProcessPoolExecutor(n_workers, initializer=die_with_parent)
+        self.pool = self._new_pool()
         self.counts = {"graded": 0, "timeouts": 0, "errors": 0}
 
     async def grade(self, task: str, responses: list[str], answer: str) -> list[float]:
@@ -61,8 +61,11 @@ class RewardService:
             log.warning("grader error (%s: %s); scored wrong", type(e).__name__, e)
         return False
 
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.n_workers, initializer=die_with_parent)
+
     def _restart_pool(self) -> None:
-        old, self.pool = self.pool, ProcessPoolExecutor(self.n_workers, initializer=die_with_parent)
+        old, self.pool = self.pool, self._new_pool()
         for proc in list(getattr(old, "_processes", {}).values()):
             proc.kill()
         old.shutdown(wait=False, cancel_futures=True)

@@ -13,13 +13,13 @@ It never waits for the inference servers: they load each version while it trains
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from areal.checkpoint import checkpoint_dir, commit, latest, load_state, save_state
+from areal import checkpoint
+from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_trainer_state
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.trainer.step import train_step
@@ -61,13 +61,13 @@ def last_time(metrics_path: Path) -> float:
 
 def save_checkpoint(cfg, backend, controller: SyncRpcClient, version: int) -> None:
     """Trainer and controller state of `version`, committed together."""
-    tmp = checkpoint_dir(cfg.exp_dir, version).with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    backend.save_hf(tmp / "model")
-    save_state(backend.state_dict(), tmp / "trainer.json", tmp / "optimizer.safetensors")
-    controller.call("save_state", path=str(tmp / "controller.msgpack"))
-    commit(tmp, version, cfg.exp_dir)
+
+    def write(directory: Path) -> None:
+        backend.save_hf(directory / "model")
+        save_trainer_state(directory, backend.state_dict())
+        controller.call("save_state", path=str(directory / CONTROLLER_STATE))
+
+    checkpoint.save(cfg.exp_dir, version, write)
 
 
 def run_trainer(cfg, key: bytes) -> None:
@@ -77,11 +77,7 @@ def run_trainer(cfg, key: bytes) -> None:
     backend = make_backend(cfg, resume_from.model_dir if resume_from else cfg.model.path)
     version = 0
     if resume_from:
-        backend.load_state_dict(
-            load_state(
-                resume_from.path / "trainer.json", resume_from.path / "optimizer.safetensors"
-            )
-        )
+        backend.load_state_dict(load_trainer_state(resume_from.path))
         version = resume_from.version
     wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
     controller = SyncRpcClient(Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s), key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from areal.checkpoint import commit, latest, load_state, save_state
+from areal.checkpoint import latest, load_trainer_state, save, save_trainer_state
 
 
 def _optimizer():
@@ -23,11 +23,11 @@ def test_optimizer_and_scheduler_state_round_trip(tmp_path):
         sched.step()
         opt.zero_grad()
     state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
-    save_state(state, tmp_path / "t.json", tmp_path / "t.safetensors")
-    assert b"pickle" not in (tmp_path / "t.json").read_bytes()
+    save_trainer_state(tmp_path, state)
+    assert b"pickle" not in (tmp_path / "trainer.json").read_bytes()
 
     model2, opt2, sched2 = _optimizer()
-    loaded = load_state(tmp_path / "t.json", tmp_path / "t.safetensors")
+    loaded = load_trainer_state(tmp_path)
     opt2.load_state_dict(loaded["optimizer"])
     sched2.load_state_dict(loaded["scheduler"])
     for k, s in opt.state_dict()["state"].items():
@@ -46,9 +46,7 @@ def test_optimizer_and_scheduler_state_round_trip(tmp_path):
 def test_commit_makes_the_latest_and_drops_older(tmp_path):
     assert latest(tmp_path) is None
     for v in (4, 8):
-        tmp = tmp_path / "checkpoints" / f"v{v:06d}.tmp"
-        tmp.mkdir(parents=True)
-        commit(tmp, v, tmp_path)
+        save(tmp_path, v, lambda d: (d / "part").write_text("x"))
     half_written = tmp_path / "checkpoints" / "v000012.tmp"
     half_written.mkdir()
     ckpt = latest(tmp_path)
