@@ -155,7 +155,10 @@ class Controller:
             await self.changed.wait_for(ready)
             self.changed.notify_all()
         trajs = [t for group in batch for t in group]
-        return {"trajectories": [t.to_wire() for t in trajs], "stats": await self._stats()}
+        stats = await self._stats()
+        # Samples whose tokens came from more than one policy version (interrupted by updates).
+        stats["rollout/multi_version_samples"] = sum(len(set(t.versions)) > 1 for t in trajs)
+        return {"trajectories": [t.to_wire() for t in trajs], "stats": stats}
 
     async def _stats(self) -> dict:
         now = time.time()

@@ -190,6 +190,11 @@ class SGLangClient:
                 raise
             return await self._call("GET", "/get_model_info", None)
 
+    async def server_info(self) -> dict:
+        """Load and counters: SGLang's /get_server_info (the embedded server's has the same
+        name and its own counters, e.g. num_running_reqs and total_generated_tokens)."""
+        return await self._call("GET", "/get_server_info", None)
+
     async def wait_healthy(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
         """Poll /health until 200; raise at once if proc (the server's process) exits."""
         deadline = time.monotonic() + timeout

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,13 +17,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
 from areal.rollout.client import SGLangClient
-
-READY = "areal embedded server ready at http://127.0.0.1:{port}"
+from tests.system.conftest import copy_weights, embedded_server, ref_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -35,33 +31,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("logs") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "areal.rollout.server", "--model", str(model_dir)]
-            + ["--port", str(port), "--weight-version", "0", "--seed", "1"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 90
-        while READY.format(port=port) not in log_path.read_text():
-            assert proc.poll() is None, f"server died:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server not ready:\n{log_path.read_text()}"
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            returncode = proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    # Clean shutdown on SIGTERM is part of the contract.
-    assert returncode == 0, log_path.read_text()[-3000:]
+    with embedded_server(model_dir, tmp_path_factory.mktemp("logs") / "server.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +81,6 @@ async def wait_for_info(url: str, predicate, timeout: float = 10.0) -> dict:
         assert time.monotonic() < deadline, f"server never reached the state; last: {current}"
         await asyncio.sleep(0.01)
     return current
-
-
-@torch.no_grad()
-def ref_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of each output token from one plain forward pass."""
-    logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logprobs[torch.arange(len(output)), torch.tensor(output)]
 
 
 LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0}
@@ -420,24 +383,16 @@ def test_malformed_requests_get_400_naming_the_field(server, prompts):
     run(body, server)
 
 
-def _copy_weights(src: Path, dst: Path, edit) -> Path:
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
 def test_update_weights_from_disk(server, model_dir, prompts, ref_model, tmp_path):
     def scale_norm(tensors):
         tensors["model.norm.weight"] = tensors["model.norm.weight"] * 3
 
-    new_dir = _copy_weights(model_dir, tmp_path / "v1", scale_norm)
+    new_dir = copy_weights(model_dir, tmp_path / "v1", scale_norm)
     new_model = AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
-    bad_shape = _copy_weights(
+    bad_shape = copy_weights(
         model_dir, tmp_path / "bad", lambda t: t.update({"model.norm.weight": torch.ones(7)})
     )
-    missing = _copy_weights(model_dir, tmp_path / "missing", lambda t: t.pop("model.norm.weight"))
+    missing = copy_weights(model_dir, tmp_path / "missing", lambda t: t.pop("model.norm.weight"))
     sampling = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
 
     async def body(client: SGLangClient):

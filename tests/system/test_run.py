@@ -71,6 +71,10 @@ def test_tiny_run_learns(tmp_path):
     for key in ("time", "reward/mean", "staleness/max", "throughput/train_tokens_per_s"):
         assert all(key in m for m in metrics), key
     assert all(m["staleness/max"] <= 4 for m in metrics)
+    # Asynchrony at work: stale samples, updates interrupting generation mid-sample.
+    assert max(m["staleness/max"] for m in metrics) >= 2
+    assert sum(m["rollout/interrupted"] for m in metrics) > 0
+    assert sum(m["rollout/multi_version_samples"] for m in metrics) > 0
     fifth = steps // 5
     first = sum(m["reward/mean"] for m in metrics[:fifth]) / fifth
     last = sum(m["reward/mean"] for m in metrics[-fifth:]) / fifth
@@ -88,6 +92,9 @@ def test_zero_staleness_is_synchronous(tmp_path):
     metrics = read_metrics(tmp_path / "tiny/sync")
     assert len(metrics) == 8
     assert all(m["staleness/max"] == 0 for m in metrics)
+    # No generation is in flight when weights change, so nothing is interrupted.
+    assert all(m["rollout/interrupted"] == 0 for m in metrics)
+    assert all(m["rollout/multi_version_samples"] == 0 for m in metrics)
 
 
 @contextlib.contextmanager
@@ -215,6 +222,10 @@ def test_resume_after_a_crash(tmp_path):
     assert [m["step"] for m in metrics] == list(range(1, 11))
     assert [m["version"] for m in metrics] == list(range(1, 11))
     assert all(m["staleness/max"] <= 4 for m in metrics)
+    # Asynchrony at work: stale samples, updates interrupting generation mid-sample.
+    assert max(m["staleness/max"] for m in metrics) >= 2
+    assert sum(m["rollout/interrupted"] for m in metrics) > 0
+    assert sum(m["rollout/multi_version_samples"] for m in metrics) > 0
     assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == ["v000010"]
     # Nothing left to do: a second resume exits at once.
     again = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)

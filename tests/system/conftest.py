@@ -1,0 +1,69 @@
+"""Shared by the system tests: an embedded inference server as a real subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+READY = "areal embedded server ready at http://127.0.0.1:{port}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def embedded_server(model_dir: Path, log_path: Path, *extra: str):
+    """Yields the URL of a ready server; on exit, asserts it stopped cleanly on SIGTERM."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "areal.rollout.server", "--model", str(model_dir)]
+            + ["--port", str(port), "--weight-version", "0", "--seed", "1", *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while READY.format(port=port) not in log_path.read_text():
+            assert proc.poll() is None, f"server died:\n{log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server not ready:\n{log_path.read_text()}"
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            returncode = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    # Clean shutdown on SIGTERM is part of the contract.
+    assert returncode == 0, log_path.read_text()[-3000:]
+
+
+def copy_weights(src: Path, dst: Path, edit) -> Path:
+    """A copy of the model directory src at dst, its tensors changed in place by edit."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@torch.no_grad()
+def ref_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each output token from one plain forward pass."""
+    logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logprobs[torch.arange(len(output)), torch.tensor(output)]
