@@ -114,8 +114,8 @@ class RolloutWorker:
             if self.interruptible:
                 # Abort in-flight requests (they come back partial and are resubmitted) and
                 # hold new ones until the new weights are loaded.
-                await self.client.pause_generation(mode="abort")
-                try:
+                try:  # a pause cut short (cancelled, timed out) must not leave it paused
+                    await self.client.pause_generation(mode="abort")
                     await self.client.update_weights_from_disk(path, version)
                 finally:
                     await self.client.continue_generation()
