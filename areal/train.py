@@ -66,6 +66,14 @@ def prepare_experiment(cfg):
                 max_operand=cfg.dataset.max_operand,
             )
         )
+    if cfg.dataset.type != "arith":
+        from areal.data.problems import load_file_rows
+
+        # Every role must find the file whatever its working directory; a bad file is a
+        # user mistake best reported now, before any role starts.
+        cfg.dataset.path = str(Path(cfg.dataset.path).resolve())
+        n = len(load_file_rows(cfg.dataset.type, cfg.dataset.path))
+        print(f"areal: {n} {cfg.dataset.type} problems in {cfg.dataset.path}")
     if not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(
             f"model.path={cfg.model.path!r} holds no config.json: point it at a Hugging Face "
