@@ -85,19 +85,26 @@ def _tokens(text: str) -> list[list[str]]:
 
 
 def same_output(actual: str, expected) -> bool:
+    """Token-by-token, line-by-line equality; numbers within 1e-6 (relative) are equal."""
     if isinstance(expected, list):  # some TACO rows hold the expected lines as a list
         expected = "\n".join(map(str, expected))
-    expected = str(expected)
-    if _tokens(actual) == _tokens(expected):
-        return True
-    # Numbers printed with other precision ("0.5000000" vs "0.5") count as equal.
-    a, e = actual.split(), expected.split()
-    if len(a) != len(e) or not a:
+    got, want = _tokens(actual), _tokens(str(expected))
+    if len(got) != len(want):
         return False
-    try:
-        return all(abs(float(x) - float(y)) <= 1e-6 * max(1.0, abs(float(y))) for x, y in zip(a, e))
+    return all(
+        len(a) == len(e) and all(_same_token(x, y) for x, y in zip(a, e))
+        for a, e in zip(got, want)
+    )
+
+
+def _same_token(x: str, y: str) -> bool:
+    if x == y:
+        return True
+    try:  # "0.5000000" vs "0.5": printed precision differs, the number does not
+        fx, fy = float(x), float(y)
     except ValueError:
         return False
+    return abs(fx - fy) <= 1e-6 * max(1.0, abs(fy))
 
 
 def _call_args(raw) -> list:
