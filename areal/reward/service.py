@@ -110,4 +110,9 @@ class RewardService:
         return counts
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        # Kill first, then wait: a stuck grading cannot hold up the shutdown, and the pool's
+        # threads are gone before interpreter exit (else its atexit hook writes to a closed
+        # pipe and prints a traceback).
+        for proc in list(getattr(self.pool, "_processes", {}).values()):
+            proc.kill()
+        self.pool.shutdown(wait=True, cancel_futures=True)
