@@ -34,8 +34,11 @@ def math_row(record: dict) -> dict:
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
         raise ValueError("no 'answer' string")
-    return {"prompt": MATH_TEMPLATE.format(problem=problem.strip()), "answer": answer.strip(),
-            "task": "math"}
+    return {
+        "prompt": MATH_TEMPLATE.format(problem=problem.strip()),
+        "answer": answer.strip(),
+        "task": "math",
+    }
 
 
 def code_row(record: dict) -> dict:
@@ -51,8 +54,11 @@ def code_row(record: dict) -> dict:
         raise ValueError("no 'tests'")
     if not parse_tests(tests):  # raises ValueError naming what is wrong
         raise ValueError("'tests' holds no test")
-    return {"prompt": CODE_TEMPLATE.format(problem=problem.strip()), "answer": tests,
-            "task": "code"}
+    return {
+        "prompt": CODE_TEMPLATE.format(problem=problem.strip()),
+        "answer": tests,
+        "task": "code",
+    }
 
 
 ROW_MAKERS = {"math": math_row, "code": code_row}
@@ -78,6 +84,6 @@ def load_file_rows(task: str, path: str) -> list[dict]:
         raise ConfigError(
             f"dataset.path={path!r} has no usable {task} row ({skipped} malformed): each row "
             + ("needs 'problem' and 'answer'" if task == "math" else "needs 'problem' and 'tests'")
-            + f", or set dataset.type to the file's task"
+            + ", or set dataset.type to the file's task"
         )
     return rows

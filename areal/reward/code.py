@@ -92,8 +92,8 @@ def same_output(actual: str, expected) -> bool:
     if len(got) != len(want):
         return False
     return all(
-        len(a) == len(e) and all(_same_token(x, y) for x, y in zip(a, e))
-        for a, e in zip(got, want)
+        len(a) == len(e) and all(_same_token(x, y) for x, y in zip(a, e, strict=True))
+        for a, e in zip(got, want, strict=True)
     )
 
 

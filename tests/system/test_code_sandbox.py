@@ -114,7 +114,8 @@ def test_correct_and_wrong_programs_for_every_sample_row():
         ("sleep", "import time\ntime.sleep(600)\nprint(5)"),
         (
             "fork bomb",
-            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+            "        pass",
         ),
         ("memory bomb", "x = []\nwhile True:\n    x.append(bytearray(10**7))"),
         ("huge output", "import sys\nwhile True:\n    sys.stdout.write('5' * 65536)"),

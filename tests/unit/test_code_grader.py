@@ -19,14 +19,18 @@ def test_the_last_fenced_block_is_the_program():
 
 
 def test_stdin_cases_as_a_plain_list_and_as_a_json_string():
-    tests = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10", "testtype": "stdin"}]
+    tests = [
+        {"input": "1 2\n", "output": "3\n"},
+        {"input": "5 5", "output": "10", "testtype": "stdin"},
+    ]
     expected = [Case("1 2\n", "3\n"), Case("5 5", "10")]
     assert parse_tests(tests) == expected
     assert parse_tests(json.dumps(tests)) == expected
 
 
 def test_functional_cases_in_the_livecodebench_and_primeintellect_forms():
-    lcb = [{"input": "1\n2", "output": "3", "testtype": "functional", "metadata": {"func_name": "f"}}]
+    meta = {"func_name": "f"}
+    lcb = [{"input": "1\n2", "output": "3", "testtype": "functional", "metadata": meta}]
     prime = [{"input": [1, 2], "output": 3, "type": "function_call", "fn_name": "f"}]
     assert parse_tests(lcb) == [Case("1\n2", "3", "f")]
     assert parse_tests(prime) == [Case([1, 2], 3, "f")]
