@@ -1,6 +1,7 @@
 """Read dataset records from JSON, JSONL or parquet, each with where it came from.
 
-`read_records(path)` yields (location, record) pairs; `location` is "FILE:LINE" (JSON and
+`read_records(path)` yields (location, record) pairs, of one file or of every data file
+under a directory (DeepCoder ships sharded parquet files); `location` is "FILE:LINE" (JSON and
 JSONL) or "FILE row N" (parquet), so that a malformed row can be reported where a user
 can find it. A record that is not even valid JSON is yielded as a `BadRecord`.
 """
@@ -18,11 +19,23 @@ class BadRecord(str):
     """The reason a record could not be read (yielded in place of the record)."""
 
 
+SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
 def read_records(path: str | Path) -> Iterator[tuple[str, dict | BadRecord]]:
+    """Records of one file, or of every data file under a directory (sharded datasets)."""
     p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.suffix.lower() in SUFFIXES and f.is_file())
+        if not files:
+            raise ConfigError(f"dataset.path={str(path)!r} is a directory without data files")
+        for f in files:
+            yield from read_records(f)
+        return
     if not p.is_file():
         raise ConfigError(
-            f"dataset.path={str(path)!r} is not a file: give a .json, .jsonl or .parquet file"
+            f"dataset.path={str(path)!r} does not exist: give a .json, .jsonl or .parquet "
+            "file, or a directory of them"
         )
     suffix = p.suffix.lower()
     if suffix == ".jsonl":

@@ -20,7 +20,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from areal.data import arith
 from areal.process import die_with_parent
-from areal.reward import code, math
+from areal.reward import code, math, sandbox
 
 log = logging.getLogger("areal.reward")
 
@@ -52,6 +52,16 @@ class RewardService:
         self.options = {
             "code": {"time_limit_s": code_time_limit_s, "memory_mb": code_memory_mb},
         }
+        # Probed once here, before the pool forks, so its processes inherit the answer.
+        mode = sandbox.mode()
+        if mode == "bwrap":
+            log.info("code sandbox: bwrap (namespaces, private file system)")
+        else:
+            log.warning(
+                "code sandbox: %s; install bubblewrap for network and file-system "
+                "isolation (see README, Sandbox)",
+                mode,
+            )
         self.pool = self._new_pool()
         # At most one grading per pool process is submitted, so that a response's time
         # limit counts its own grading, never its wait in the pool's queue.

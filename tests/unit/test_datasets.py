@@ -82,7 +82,7 @@ def test_a_file_without_usable_rows_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize(
     "name, needle",
-    [("missing.jsonl", "is not a file"), ("rows.csv", "unknown file type")],
+    [("missing.jsonl", "does not exist"), ("rows.csv", "unknown file type")],
 )
 def test_path_mistakes_say_what_to_do(tmp_path, name, needle):
     if name.endswith(".csv"):
@@ -106,3 +106,13 @@ def test_parquet_without_pyarrow_names_the_install(tmp_path):
         path = tmp_path / "rows.parquet"
         pq.write_table(pa.table({"problem": ["1+1?"], "answer": ["2"]}), path)
         assert load_file_rows("math", str(path))[0]["answer"] == "2"
+
+
+def test_a_directory_of_shards_is_read_whole(tmp_path):
+    (tmp_path / "a").mkdir()
+    for name, answer in (("a/part0.jsonl", "1"), ("part1.json", "2")):
+        record = {"problem": "p", "answer": answer}
+        text = json.dumps(record) if name.endswith("l") else json.dumps([record])
+        (tmp_path / name).write_text(text + "\n")
+    (tmp_path / "README.md").write_text("not data")
+    assert [r["answer"] for r in load_file_rows("math", str(tmp_path))] == ["1", "2"]
