@@ -157,14 +157,14 @@ def _drop_privileges(uid: int) -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _limit(limits: Limits, uid: int) -> None:
+def _limit(limits: Limits, uid: int, nproc: int) -> None:
     cpu = int(limits.time_s) + 1
     memory = limits.memory_mb << 20
     for res, value in (
         (resource.RLIMIT_CPU, cpu),
         (resource.RLIMIT_AS, memory),
         (resource.RLIMIT_FSIZE, limits.output_bytes),
-        (resource.RLIMIT_NPROC, limits.max_procs),
+        (resource.RLIMIT_NPROC, nproc),
         (resource.RLIMIT_NOFILE, 64),
         (resource.RLIMIT_CORE, 0),
     ):
@@ -200,7 +200,7 @@ def run_python(source: str, stdin: str, limits: Limits, files: dict[str, str] | 
                 cwd=workdir,
                 start_new_session=True,
                 # The uid is computed here: in the child, getpid() is the child's own.
-                preexec_fn=functools.partial(_limit, limits, sandbox_uid()),
+                preexec_fn=functools.partial(_limit, limits, sandbox_uid(), _nproc(limits)),
                 close_fds=True,
             )
             timed_out = False
@@ -215,6 +215,23 @@ def run_python(source: str, stdin: str, limits: Limits, files: dict[str, str] | 
         return Run(stdout=out, returncode=proc.returncode, timed_out=timed_out)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _nproc(limits: Limits) -> int:
+    """RLIMIT_NPROC counts every process of the uid: the sandbox's own when we are root,
+    the user's (all of them) otherwise, so a non-root user's limit sits above their count."""
+    if os.geteuid() == 0:
+        return limits.max_procs
+    me = os.geteuid()
+    mine = sum(1 for e in os.scandir("/proc") if e.name.isdigit() and _owner(e) == me)
+    return mine + limits.max_procs
+
+
+def _owner(entry: os.DirEntry) -> int:
+    try:
+        return entry.stat().st_uid
+    except OSError:
+        return -1
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -53,7 +53,10 @@ class RewardService:
             "code": {"time_limit_s": code_time_limit_s, "memory_mb": code_memory_mb},
         }
         # Probed once here, before the pool forks, so its processes inherit the answer.
-        mode = sandbox.mode()
+        try:
+            mode = sandbox.mode()
+        except RuntimeError as e:  # no interpreter the sandbox may run: code answers error
+            mode = f"unusable ({e})"
         if mode == "bwrap":
             log.info("code sandbox: bwrap (namespaces, private file system)")
         else:
