@@ -17,9 +17,10 @@ What each layer stops (the README's "Sandbox" section says the same for users):
 - its own session / process group, killed as a whole at the wall-clock limit; bwrap's
   pid namespace dies with its first process, so even a daemonised child goes with it;
 - bwrap (when installed): no network (empty net namespace), no view of the rest of the
-  file system, no other processes to signal. Without bwrap, `unshare` gives the network
-  and pid namespaces when user namespaces work; the file system stays visible (read what
-  nobody may read, write in /tmp).
+  file system, no other processes to signal, and its writable directories are 16 MiB
+  tmpfs mounts (files cannot fill the disk or the memory). Without bwrap, `unshare` gives
+  the network and pid namespaces when user namespaces work; the file system stays visible
+  (read what anyone may read, write in /tmp, write files to disk until time is up).
 
 Results come back as plain bytes read from a file the sandbox wrote: nothing from the
 program is ever unpickled or evaluated here.
@@ -58,6 +59,8 @@ class Limits:
     """Address space of each process (RLIMIT_AS)."""
     output_bytes: int = 1 << 20
     """Largest stdout kept; a program writing more is killed (RLIMIT_FSIZE)."""
+    disk_mb: int = 16
+    """Size of its writable directories (bwrap only: elsewhere just RLIMIT_FSIZE per file)."""
     max_procs: int = 8
     """Processes of one sandbox at most, bwrap's two included (RLIMIT_NPROC)."""
 
@@ -125,11 +128,13 @@ def mode() -> str:
     return "plain"
 
 
-def _bwrap_argv(workdir: str) -> list[str]:
+def _bwrap_argv(workdir: str, names: tuple[str, ...] = (), disk_mb: int = 16) -> list[str]:
     # Only /usr (and the interpreter's prefix when it lies outside /usr) is visible,
-    # read-only; the program's own directory is the one writable place.
+    # read-only. The program's directory is a small tmpfs holding read-only binds of its
+    # files: memory-backed and size-capped, so writing files can neither fill the disk nor
+    # eat the machine's memory.
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
-    argv += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
     for link in ("lib", "lib64", "bin", "sbin"):
         if os.path.islink(f"/{link}"):
             argv += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
@@ -138,7 +143,11 @@ def _bwrap_argv(workdir: str) -> list[str]:
     prefix = sys.base_prefix
     if interpreter() == sys.executable and not prefix.startswith("/usr"):
         argv += ["--ro-bind", prefix, prefix]
-    argv += ["--bind", workdir, "/sandbox", "--chdir", "/sandbox"]
+    size = str(disk_mb << 20)
+    argv += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/sandbox"]
+    for name in names:
+        argv += ["--ro-bind", f"{workdir}/{name}", f"/sandbox/{name}"]
+    argv += ["--chdir", "/sandbox"]
     return argv
 
 
@@ -185,7 +194,11 @@ def run_python(source: str, stdin: str, limits: Limits, files: dict[str, str] | 
         _become_subreaper()
         m = mode()
         inside = "/sandbox" if m == "bwrap" else workdir
-        argv = {"bwrap": _bwrap_argv, "unshare": _unshare_argv}.get(m, lambda d: [])(workdir)
+        if m == "bwrap":
+            names = ("prog.py", *(files or {}))
+            argv = _bwrap_argv(workdir, names, limits.disk_mb)
+        else:
+            argv = _unshare_argv(workdir) if m == "unshare" else []
         argv += [interpreter(), "-I", "-S", "-B", f"{inside}/prog.py"]
         # stdin and stdout are files we opened, outside the sandbox's directory: the
         # program cannot swap them, and RLIMIT_FSIZE caps what it writes to stdout.

@@ -129,6 +129,15 @@ def test_resource_attacks_end_wrong_within_their_limits(name, source):
     assert no_sandbox_processes_within(3), name
 
 
+@pytest.mark.skipif(sandbox.mode() != "bwrap", reason="only bwrap caps the files' total size")
+def test_filling_the_disk_stops_at_the_cap():
+    source = "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'5' * (1 << 19))\n    i += 1"
+    rewards, counts, elapsed = grade([program(source)])
+    assert rewards == [-5.0]
+    assert elapsed < 2  # stopped by a full 16 MiB tmpfs, not by the time limit
+    assert not list(Path(tempfile.gettempdir()).glob("areal-sandbox-*/f0"))
+
+
 def test_writing_outside_its_directory_changes_nothing(tmp_path, open_dir):
     private = tmp_path / "private_marker"  # under root's 0700 pytest directory
     existing = open_dir / "existing"
