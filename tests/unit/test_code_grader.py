@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -68,3 +69,11 @@ def test_malformed_tests_are_rejected(tests):
 )
 def test_output_comparison_ignores_whitespace_only(actual, expected, same):
     assert same_output(actual, expected) is same
+
+
+def test_huge_and_pathological_responses_are_fast():
+    t0 = time.time()
+    extract_program("```" * 100_000)  # many unclosed fences: no quadratic blow-up
+    assert extract_program("x" * 10_000_000 + "```python\nprint(1)\n```") == "print(1)\n"
+    assert extract_program("```python\n" * 50_000) is not None
+    assert time.time() - t0 < 2
