@@ -182,10 +182,15 @@ class RewardConfig(_Section):
     n_workers: int = 1
     """Grading processes."""
     timeout_s: float = 10.0
-    """Seconds one grading may take before it counts as wrong."""
+    """Seconds one grading may take before it counts as wrong (all tests of a code answer)."""
+    code_time_limit_s: float = 6.0
+    """Wall-clock (and CPU) seconds of one code test case in the sandbox."""
+    code_memory_mb: int = 1024
+    """Address-space limit of a sandboxed program, in MiB."""
 
     def __post_init__(self) -> None:
         self._check_types()
+        self._positive("code_time_limit_s", "code_memory_mb")
         if not self.correct > self.wrong:
             self._fail(
                 "correct",

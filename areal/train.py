@@ -21,6 +21,14 @@ def prepare_experiment(cfg):
     from areal.checkpoint import checkpoints_root, latest
     from areal.comm.registry import create_key
 
+    if cfg.dataset.type != "arith":
+        from areal.data.problems import load_file_rows
+
+        # Every role must find the file whatever its working directory; a bad file is a
+        # user mistake best reported now, before anything else.
+        cfg.dataset.path = str(Path(cfg.dataset.path).resolve())
+        n = len(load_file_rows(cfg.dataset.type, cfg.dataset.path))
+        print(f"areal: {n} {cfg.dataset.type} problems in {cfg.dataset.path}")
     exp = cfg.exp_dir
     exp.mkdir(parents=True, exist_ok=True)
     ckpt = latest(exp) if cfg.resume else None

@@ -50,7 +50,12 @@ async def _reward(cfg, index: int, key: bytes) -> None:
 
     r = cfg.reward
     service = RewardService(
-        n_workers=r.n_workers, timeout_s=r.timeout_s, correct=r.correct, wrong=r.wrong
+        n_workers=r.n_workers,
+        timeout_s=r.timeout_s,
+        correct=r.correct,
+        wrong=r.wrong,
+        code_time_limit_s=r.code_time_limit_s,
+        code_memory_mb=r.code_memory_mb,
     )
     server = RpcServer(key)
     server.register("grade", service.grade)

@@ -10,9 +10,12 @@ log = logging.getLogger("areal.data")
 
 
 def load_rows(dataset_cfg, seed: int) -> list[dict]:
+    """Rows {"prompt", "answer", "task"}: generated (arith) or read from dataset.path."""
     if dataset_cfg.type == "arith":
         return arith.make_problems(dataset_cfg.n_problems, dataset_cfg.max_operand, seed)
-    raise ValueError(f"dataset.type={dataset_cfg.type!r} has no loader yet; use dataset.type=arith")
+    from areal.data.problems import load_file_rows
+
+    return load_file_rows(dataset_cfg.type, dataset_cfg.path)
 
 
 def tokenize_rows(rows: list[dict], tokenizer, max_prompt_len: int) -> list[dict]:

@@ -6,48 +6,96 @@
 Grading runs in separate processes so that a slow or crashing grader never blocks the
 service and so that graders needing the main thread (signals) have one. A grader error or
 a timeout scores the response as wrong and is counted; it never fails the request.
+Graders: arith (areal.data.arith), math (areal.reward.math, math-verify), code
+(areal.reward.code: unit tests in areal.reward.sandbox).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from areal.data import arith
 from areal.process import die_with_parent
+from areal.reward import code, math, sandbox
 
 log = logging.getLogger("areal.reward")
 
-GRADERS = {"arith": arith.is_correct}
+# task -> is_correct(response, answer). The answer is whatever the dataset row holds
+# (msgpack-able): a string for arith and math, the unit tests for code.
+GRADERS = {"arith": arith.is_correct, "math": math.is_correct, "code": code.is_correct}
 
 
-def grade_one(task: str, response: str, answer: str) -> bool:
-    """Runs in a pool process."""
-    return bool(GRADERS[task](response, answer))
+def grade_one(task: str, response: str, answer, options: dict) -> bool:
+    """Runs in a pool process; `options` are the grader's keyword arguments."""
+    return bool(GRADERS[task](response, answer, **options))
 
 
 class RewardService:
-    def __init__(self, *, n_workers: int, timeout_s: float, correct: float, wrong: float):
+    def __init__(
+        self,
+        *,
+        n_workers: int,
+        timeout_s: float,
+        correct: float,
+        wrong: float,
+        code_time_limit_s: float = 6.0,
+        code_memory_mb: int = 1024,
+    ):
         self.n_workers = n_workers
         self.timeout_s = timeout_s
         self.correct = correct
         self.wrong = wrong
+        self.options = {
+            "code": {"time_limit_s": code_time_limit_s, "memory_mb": code_memory_mb},
+        }
+        # Probed once here, before the pool forks, so its processes inherit the answer.
+        try:
+            mode = sandbox.mode()
+        except RuntimeError as e:  # no interpreter the sandbox may run: code answers error
+            mode = f"unusable ({e})"
+        if mode == "bwrap":
+            log.info("code sandbox: bwrap (namespaces, private file system)")
+        else:
+            log.warning(
+                "code sandbox: %s; install bubblewrap for network and file-system "
+                "isolation (see README, Sandbox)",
+                mode,
+            )
         self.pool = self._new_pool()
+        # At most one grading per pool process is submitted, so that a response's time
+        # limit counts its own grading, never its wait in the pool's queue.
+        self.slots = asyncio.Semaphore(n_workers)
         self.counts = {"graded": 0, "timeouts": 0, "errors": 0}
 
-    async def grade(self, task: str, responses: list[str], answer: str) -> list[float]:
+    async def grade(self, task: str, responses: list[str], answer) -> list[float]:
         if task not in GRADERS:
             raise ValueError(f"no grader for task {task!r}; known: {sorted(GRADERS)}")
         verdicts = await asyncio.gather(*(self._grade(task, r, answer) for r in responses))
         return [self.correct if ok else self.wrong for ok in verdicts]
 
-    async def _grade(self, task: str, response: str, answer: str) -> bool:
+    async def _grade(self, task: str, response: str, answer) -> bool:
+        async with self.slots:
+            return await self._grade_now(task, response, answer)
+
+    async def _grade_now(self, task: str, response: str, answer) -> bool:
         self.counts["graded"] += 1
+        submit = functools.partial(grade_one, task, response, answer, self.options.get(task, {}))
         try:
-            fut = self.pool.submit(grade_one, task, response, answer)
-            return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
+            for _ in range(3):
+                pool = self.pool
+                fut = pool.submit(submit)
+                try:
+                    return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
+                except BrokenProcessPool:
+                    if pool is self.pool:
+                        raise
+                    # Another response's timeout restarted the pool under us: not this
+                    # response's fault, so it is graded again on the new pool.
+            raise BrokenProcessPool("the pool was restarted three times under one response")
         except TimeoutError:
             self.counts["timeouts"] += 1
             log.warning("grading timed out after %.1fs; scored wrong", self.timeout_s)
@@ -75,4 +123,9 @@ class RewardService:
         return counts
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        # Kill first, then wait: a stuck grading cannot hold up the shutdown, and the pool's
+        # threads are gone before interpreter exit (else its atexit hook writes to a closed
+        # pipe and prints a traceback).
+        for proc in list(getattr(self.pool, "_processes", {}).values()):
+            proc.kill()
+        self.pool.shutdown(wait=True, cancel_futures=True)

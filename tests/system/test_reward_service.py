@@ -1,0 +1,106 @@
+"""The reward service with its real process pool: math and code verdicts, timeouts and
+errors counted, one slow response never costs the others their verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from areal.reward.service import RewardService
+
+# sympy expands the tower: this comparison runs for minutes unless someone kills it.
+HANG = r"\boxed{10^{10^{10}}}"
+
+
+def service(**kw) -> RewardService:
+    args = {"n_workers": 2, "timeout_s": 10.0, "correct": 5.0, "wrong": -5.0}
+    return RewardService(**{**args, **kw})
+
+
+def test_math_rewards_are_plus_and_minus_five():
+    async def go():
+        s = service()
+        try:
+            rewards = await s.grade(
+                "math", [r"so \boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{2}", "garbage"], "1/2"
+            )
+            return rewards, await s.stats()
+        finally:
+            s.close()
+
+    rewards, counts = asyncio.run(go())
+    assert rewards == [5.0, 5.0, -5.0, -5.0]
+    assert counts == {"graded": 4, "timeouts": 0, "errors": 0}
+
+
+def test_a_grading_timeout_scores_wrong_is_counted_and_spares_the_others():
+    async def go():
+        s = service(timeout_s=1.5)
+        try:
+            t0 = time.time()
+            rewards = await s.grade("math", [HANG, r"\boxed{1}", r"\boxed{1}", r"\boxed{2}"], "1")
+            elapsed = time.time() - t0
+            first = await s.stats()
+            # The pool was restarted and keeps grading.
+            again = await s.grade("math", [r"\boxed{1}"], "1")
+            return rewards, elapsed, first, again, await s.stats()
+        finally:
+            s.close()
+
+    rewards, elapsed, first, again, second = asyncio.run(go())
+    assert rewards == [-5.0, 5.0, 5.0, -5.0]  # responses in flight during the restart regraded
+    assert elapsed < 8
+    assert first == {"graded": 4, "timeouts": 1, "errors": 0}
+    assert again == [5.0]
+    assert second == {"graded": 1, "timeouts": 0, "errors": 0}  # stats() resets the counts
+
+
+def test_queueing_for_a_busy_pool_is_not_a_timeout():
+    """More responses than processes: each one's time limit counts only its own grading."""
+
+    async def go():
+        s = service(n_workers=1, timeout_s=1.5)
+        try:
+            # About 0.4 s each, 3 s for all: submitted at once, the last would time out.
+            slow = "```python\nimport time\ntime.sleep(0.3)\nprint(1)\n```"
+            t0 = time.time()
+            rewards = await s.grade("code", [slow] * 8, [{"input": "", "output": "1"}])
+            return rewards, time.time() - t0, await s.stats()
+        finally:
+            s.close()
+
+    rewards, elapsed, counts = asyncio.run(go())
+    assert elapsed > 1.5  # the premise: all of them took longer than one time limit
+    assert rewards == [5.0] * 8
+    assert counts["timeouts"] == 0
+
+
+def test_a_grader_error_scores_wrong_and_is_counted():
+    async def go():
+        s = service()
+        try:
+            # An unreadable gold answer (a data problem) and code tests of an unknown form.
+            math = await s.grade("math", [r"\boxed{1}"], "")
+            code = await s.grade("code", ["```python\nprint(1)\n```"], {"tests": "?"})
+            return math, code, await s.stats()
+        finally:
+            s.close()
+
+    math, code, counts = asyncio.run(go())
+    assert math == [-5.0] and code == [-5.0]
+    assert counts == {"graded": 2, "timeouts": 0, "errors": 2}
+
+
+def test_code_slower_than_the_service_limit_is_a_timeout():
+    async def go():
+        s = service(timeout_s=1.0, code_time_limit_s=5.0)
+        try:
+            slow = "```python\nimport time\ntime.sleep(3)\nprint(1)\n```"
+            rewards = await s.grade("code", [slow], [{"input": "", "output": "1"}])
+            return rewards, await s.stats()
+        finally:
+            s.close()
+
+    rewards, counts = asyncio.run(go())
+    assert rewards == [-5.0]
+    assert counts["timeouts"] == 1
