@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_run import processes_mentioning, read_metrics, run_train
+from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests/data"
