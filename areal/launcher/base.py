@@ -85,6 +85,9 @@ class Launcher:
         """The command line that runs `cmd` for `step`, and its extra environment."""
         raise NotImplementedError
 
+    def exit_reason(self, rc: int) -> str:
+        return exit_reason(rc)
+
     def start(self, step: Step) -> None:
         log = self.log_dir / f"{step.name}.log"
         cmd, env = self.command(step, worker_command(self.exp_dir, step))
@@ -138,7 +141,7 @@ class Launcher:
                         continue
                     progress.close()
                     print(
-                        f"\nareal: role {p.name} {exit_reason(rc)}; stopping the run. "
+                        f"\nareal: role {p.name} {self.exit_reason(rc)}; stopping the run. "
                         f"Last lines of {p.log}:\n{tail(p.log, self.cfg.launcher.log_tail_lines)}",
                         file=sys.stderr,
                         flush=True,

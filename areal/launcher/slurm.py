@@ -16,6 +16,7 @@ when the batch script ends, and on scancel every step is signalled by slurmd dir
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -116,6 +117,16 @@ class SlurmLauncher(Launcher):
     def __init__(self, cfg, alloc: Allocation, plan: Plan):
         super().__init__(cfg, plan)
         self.alloc = alloc
+
+    def exit_reason(self, rc: int) -> str:
+        # srun reports a task killed by signal N as exit code 128 + N.
+        try:
+            name = signal.Signals(rc - 128).name if rc > 128 else None
+        except ValueError:  # not a signal number: a plain exit code
+            name = None
+        if name:
+            return f"was killed by {name} (srun exit code {rc})"
+        return super().exit_reason(rc)
 
     def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
         srun = [

@@ -1,7 +1,8 @@
 """`sbatch scripts/run_math.sh` on a real two-node SLURM with fake GPUs (slurm/test_cluster.sh).
 
-Each job runs the tiny config with one GPU per node: server0 on n1's GPU, trainer0 on n2's,
-the services beside the server: every step of a real plan, as srun steps on two nodes.
+Each job runs the tiny config on both nodes: server0 on n1 (on its GPU), trainer0 on n2 (on
+its GPU), the services beside the server: every step of a real plan, as srun steps. One job
+uses no GPU (launcher.gpus_per_node=0), the CPU placement.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def tiny_model(tmp_path_factory) -> Path:
     return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=1, warmup_steps=50))
 
 
-def sbatch(tmp_path: Path, model: Path, *overrides: str, wait: bool = False) -> str:
-    """Submit run_math.sh with the tiny config; returns the job id."""
+def sbatch(tmp_path: Path, model: Path, *overrides: str, gpus: int = 1, wait: bool = False) -> str:
+    """Submit run_math.sh with the tiny config, using `gpus` per node; returns the job id."""
     cmd = [
         "sbatch",
         "--parsable",
@@ -43,7 +44,7 @@ def sbatch(tmp_path: Path, model: Path, *overrides: str, wait: bool = False) -> 
         "configs/tiny.yaml",
         f"fileroot={tmp_path}",
         f"model.path={model}",
-        "launcher.gpus_per_node=1",
+        f"launcher.gpus_per_node={gpus}",
         *overrides,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -117,9 +118,11 @@ def test_sbatch_run_completes(tmp_path, tiny_model):
 
 
 def test_a_dead_step_fails_the_job(tmp_path, tiny_model):
-    job = sbatch(tmp_path, tiny_model, "total_train_steps=100000")
+    job = sbatch(tmp_path, tiny_model, "total_train_steps=100000", gpus=0)
     try:
         wait_for(lambda: metrics(tmp_path), 240, "the first training step")
+        out = (tmp_path / "job.out").read_text()
+        assert "2 nodes, CPU only" in out and "n2: trainer0\n" in out, out[-3000:]
         pid = role_pid(tmp_path, "reward")
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -127,7 +130,7 @@ def test_a_dead_step_fails_the_job(tmp_path, tiny_model):
         wait_for(lambda: job_state(job) == "FAILED", 30, "the job to fail")
         assert time.monotonic() - killed < 30
         out = (tmp_path / "job.out").read_text()
-        assert "role reward0" in out and "stopping the run" in out, out[-3000:]
+        assert "role reward0 was killed by SIGKILL" in out, out[-3000:]
         wait_for(lambda: job_processes(job) == [], 20, "every process of the job to end")
     finally:
         subprocess.run(["scancel", job], timeout=30)
