@@ -140,7 +140,7 @@ class SlurmLauncher(Launcher):
         ]
         if step.gpus:
             # The step holds its GPUs (and a fair share of CPUs) alone: no other step gets them.
-            cpus = max(1, self.alloc.cpus_per_node // self.plan.gpus_per_node)
+            cpus = max(1, self.alloc.cpus_per_node // self.plan.gpus_per_node * step.gpus)
             srun += ["--exact", f"--gpus-per-node={step.gpus}", f"--cpus-per-task={cpus}"]
         else:
             # CPU roles share the node with the GPU steps (and, in CPU runs, with each other).
