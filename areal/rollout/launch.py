@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 
-from areal.checkpoint import latest
 from areal.comm import net
 from areal.comm.registry import Registry
 
@@ -26,7 +25,11 @@ def server_command(cfg, k: int, host: str, port: int) -> list[str]:
             f"inference.backend={cfg.inference.backend!r} is not available yet; use embedded"
         )
     # A resumed run's servers start from the checkpoint's weights and version.
-    ckpt = latest(cfg.exp_dir) if cfg.resume else None
+    ckpt = None
+    if cfg.resume:
+        from areal.checkpoint import latest  # imports torch: only when it is needed
+
+        ckpt = latest(cfg.exp_dir)
     model, version = (str(ckpt.model_dir), ckpt.version) if ckpt else (cfg.model.path, 0)
     args = {
         "--model": model,
