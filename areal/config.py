@@ -164,11 +164,13 @@ class InferenceConfig(_Section):
     """Interpreter that runs SGLang; empty = this one."""
     startup_timeout_s: float = 300.0
     """Seconds to wait for a server to become healthy."""
+    tp_size: int = 1
+    """GPUs of one inference server (tensor parallel); on a GPU cluster, servers = inference GPUs / tp_size."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
         self._one_of("backend", ("embedded", "sglang"))
-        self._positive("max_batch_size", "num_threads", "startup_timeout_s")
+        self._positive("max_batch_size", "num_threads", "startup_timeout_s", "tp_size")
 
 
 @dataclass(kw_only=True)
@@ -294,12 +296,32 @@ class LauncherConfig(_Section):
     """Log lines of a dead role shown in the error."""
     dead_role_poll_s: float = 0.5
     """Seconds between checks that every role is alive."""
+    inference_fraction: float = 0.75
+    """Share of the GPUs (or, without GPUs, of the nodes) that runs inference; the rest trains."""
+    nodes: int | None = None
+    """SLURM nodes to use; null = the whole allocation (required with dry_run outside one)."""
+    gpus_per_node: int | None = None
+    """GPUs to use on each node; null = all the allocation gives (SLURM_GPUS_ON_NODE), 0 = CPU only."""  # noqa: E501
+    dry_run: bool = False
+    """Print the placement plan (which node runs which role on which GPUs) and start nothing."""
+    srun_args: list[str] = field(default_factory=list)
+    """Extra arguments for every srun step, e.g. [--mem-per-gpu=100G] on clusters that count memory."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
         self._one_of("type", ("local", "slurm"))
         self._non_negative("log_tail_lines")
         self._positive("dead_role_poll_s")
+        if not 0 < self.inference_fraction < 1:
+            self._fail(
+                "inference_fraction",
+                f"must be in (0, 1), got {self.inference_fraction!r}: both inference and "
+                "training need a share (the paper gives 0.75 to inference)",
+            )
+        if self.nodes is not None:
+            self._positive("nodes")
+        if self.gpus_per_node is not None:
+            self._non_negative("gpus_per_node")
 
 
 @dataclass(kw_only=True)

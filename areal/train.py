@@ -84,15 +84,66 @@ def prepare_experiment(cfg):
     return ckpt
 
 
+def plan_run(cfg):
+    """The placement of `cfg` (and, under SLURM, the allocation); sets rollout.n_servers."""
+    alloc = None
+    if cfg.launcher.type == "local":
+        from areal.launcher.local import LocalLauncher
+
+        plan = LocalLauncher(cfg).plan
+    else:
+        from areal.launcher.plan import make_plan
+        from areal.launcher.slurm import current_allocation, in_allocation, plan_in_allocation
+
+        if in_allocation() or not cfg.launcher.dry_run:
+            alloc = current_allocation()
+            plan = plan_in_allocation(cfg, alloc)
+        else:
+            # A dry run outside an allocation plans for the nodes the config asks for.
+            lc = cfg.launcher
+            if lc.nodes is None:
+                raise ConfigError(
+                    "a dry run outside a SLURM allocation needs the cluster's size: add "
+                    "--nodes N --gpus-per-node G (or launcher.nodes / launcher.gpus_per_node)"
+                )
+            plan = make_plan(cfg, [f"node{i}" for i in range(lc.nodes)], lc.gpus_per_node or 0)
+    if plan.n_servers != cfg.rollout.n_servers:
+        # With GPUs the servers are counted by the placement, not by the config.
+        print(
+            f"areal: rollout.n_servers={plan.n_servers} "
+            f"(inference GPUs / inference.tp_size; the config said {cfg.rollout.n_servers})"
+        )
+        cfg.rollout.n_servers = plan.n_servers
+    return plan, alloc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m areal.train", description="Run an asynchronous RL experiment."
     )
     parser.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the placement plan and start nothing (= launcher.dry_run=true)",
+    )
+    parser.add_argument("--nodes", type=int, help="= launcher.nodes (nodes to plan for)")
+    parser.add_argument("--gpus-per-node", type=int, help="= launcher.gpus_per_node")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-3")
     args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.dry_run:
+        overrides.append("launcher.dry_run=true")
+    if args.nodes is not None:
+        overrides.append(f"launcher.nodes={args.nodes}")
+    if args.gpus_per_node is not None:
+        overrides.append(f"launcher.gpus_per_node={args.gpus_per_node}")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides)
+        plan, alloc = plan_run(cfg)
+        if cfg.launcher.dry_run:
+            print(f"areal: dry run ({cfg.launcher.type}); placement plan:\n{plan.describe()}")
+            return 0
         ckpt = prepare_experiment(cfg)
     except ConfigError as e:
         print(f"areal: config error: {e}", file=sys.stderr)
@@ -101,15 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt is not None and ckpt.version >= cfg.total_train_steps:
         print(f"areal: the checkpoint already has {ckpt.version} of {cfg.total_train_steps} steps")
         return 0
-    if cfg.launcher.type != "local":
-        print(
-            f"areal: launcher.type={cfg.launcher.type!r} is not available yet; use local",
-            file=sys.stderr,
-        )
-        return 2
-    from areal.launcher.local import LocalLauncher
+    if alloc is None:
+        from areal.launcher.local import LocalLauncher
 
-    return LocalLauncher(cfg).run()
+        return LocalLauncher(cfg).run()
+    from areal.launcher.slurm import SlurmLauncher
+
+    print(f"areal: SLURM job {alloc.job_id}; placement plan:\n{plan.describe()}", flush=True)
+    return SlurmLauncher(cfg, alloc, plan).run()
 
 
 if __name__ == "__main__":

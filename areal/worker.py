@@ -17,7 +17,8 @@ from areal.comm.registry import Registry, load_key
 from areal.comm.rpc import RpcServer
 from areal.config import load_config
 
-ROLES = ("controller", "rollout", "reward", "trainer")
+# "server" registers inference server k and becomes it (areal/rollout/launch.py).
+ROLES = ("server", "controller", "rollout", "reward", "trainer")
 
 
 async def _serve_until_stopped(server: RpcServer) -> None:
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s {args.role}{args.index} %(name)s %(levelname)s: %(message)s",
     )
     cfg = load_config(f"{args.exp_dir}/config.yaml")
+    if args.role == "server":
+        from areal.rollout.launch import exec_server
+
+        exec_server(cfg, args.index)
     key = load_key(args.exp_dir)
     if args.role == "rollout":
         asyncio.run(_rollout(cfg, args.index, key))

@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from areal.comm import wire
+from areal.comm import net, wire
 
 log = logging.getLogger("areal.comm")
 
@@ -85,14 +85,17 @@ class _Endpoint:
 class RpcServer(_Endpoint):
     """Serves registered async functions to RpcClients; binds at construction."""
 
-    def __init__(self, key: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, key: bytes, host: str | None = None, port: int = 0) -> None:
+        """Binds host:port; host None = this node's usual interface (see net.py), and the
+        address peers should use (`self.address`) names the advertised host."""
         super().__init__(key)
         self._sock = _socket(zmq.asyncio.Context.instance(), zmq.ROUTER)
+        bind = host or net.bind_host()
         if port == 0:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+            port = self._sock.bind_to_random_port(f"tcp://{bind}")
         else:
-            self._sock.bind(f"tcp://{host}:{port}")
-        self.address = f"tcp://{host}:{port}"
+            self._sock.bind(f"tcp://{bind}:{port}")
+        self.address = f"tcp://{host or net.advertised_host()}:{port}"
         self._methods: dict[str, Callable[..., Awaitable[Any]]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed = False

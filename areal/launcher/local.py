@@ -1,202 +1,28 @@
 """The local launcher: every role as a subprocess of this one, on this machine.
 
-    launcher --Popen--> inference server k (embedded, or SGLang)   logs/server{k}.log
-             --Popen--> reward0, rollout{k}, controller0, trainer0  logs/{role}{k}.log
-             <-- exit codes (polled) , metrics.jsonl (tailed for the console)
+    launcher --Popen--> server{k} (registers its URL, becomes the inference server)
+             --Popen--> reward0, rollout{k}, controller0, trainer0   logs/{role}{k}.log
 
-Each child runs in its own process group (so its own children, such as grading pools,
-are stopped with it) and gets SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG), so a
-run never leaves orphans. The run succeeds when the trainer exits 0 (after its last
-checkpoint); the other roles are services, stopped then. Any other exit of any role stops
-everything and names the role with the tail of its log.
+The plan is the single-node CPU placement (areal/launcher/plan.py); the poll/stop/report
+loop is launcher/base.py's. Each child gets SIGKILL if the launcher itself dies
+(PR_SET_PDEATHSIG), so a run never leaves orphans.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
-from tqdm import tqdm
-
-from areal.checkpoint import latest
-from areal.comm.registry import Registry
-from areal.process import die_with_parent
-
-_LAST_ROLE = "trainer0"  # the run is over when the trainer exits 0; the rest are services
+from areal.comm.net import free_port
+from areal.launcher.base import Launcher
+from areal.launcher.plan import Step, make_plan
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tail(path: Path, n: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError as e:
-        return f"(no log: {e})"
-
-
-def exit_reason(rc: int) -> str:
-    if rc < 0:
-        return f"was killed by {signal.Signals(-rc).name}"
-    return f"exited with code {rc}"
-
-
-class LocalLauncher:
+class LocalLauncher(Launcher):
     def __init__(self, cfg):
-        self.cfg = cfg
-        self.exp_dir = cfg.exp_dir
-        self.log_dir = self.exp_dir / "logs"
-        self.procs: list[Proc] = []
-
-    def start(self, name: str, cmd: list[str]) -> None:
-        log = self.log_dir / f"{name}.log"
-        with open(log, "w") as f:
-            popen = subprocess.Popen(
-                cmd,
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        self.procs.append(Proc(name, popen, log))
-
-    def start_all(self) -> None:
-        cfg = self.cfg
-        registry = Registry(self.exp_dir)
-        for k in range(cfg.rollout.n_servers):
-            port = free_port()
-            self.start(f"server{k}", self.server_command(k, port))
-            registry.register("server", k, f"http://127.0.0.1:{port}")
-        role = [sys.executable, "-m", "areal.worker", "--exp-dir", str(self.exp_dir), "--role"]
-        self.start("reward0", [*role, "reward"])
-        for k in range(cfg.rollout.n_servers):
-            self.start(f"rollout{k}", [*role, "rollout", "--index", str(k)])
-        self.start("controller0", [*role, "controller"])
-        self.start("trainer0", [*role, "trainer"])
-
-    def server_command(self, k: int, port: int) -> list[str]:
-        cfg = self.cfg
-        if cfg.inference.backend != "embedded":
-            raise ValueError(
-                f"inference.backend={cfg.inference.backend!r} is not available yet; use embedded"
-            )
-        # A resumed run's servers start from the checkpoint's weights and version.
-        ckpt = latest(self.exp_dir) if cfg.resume else None
-        model, version = (str(ckpt.model_dir), ckpt.version) if ckpt else (cfg.model.path, 0)
-        args = {
-            "--model": model,
-            "--port": port,
-            "--max-batch-size": cfg.inference.max_batch_size,
-            "--num-threads": cfg.inference.num_threads,
-            "--seed": cfg.seed + k,
-            "--weight-version": version,
-        }
-        python = cfg.inference.python or sys.executable
-        return [python, "-m", "areal.rollout.server", *(str(x) for kv in args.items() for x in kv)]
-
-    def stop_all(self, grace_s: float = 10.0) -> None:
-        for p in self.procs:
-            if p.popen.poll() is None:
-                try:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + grace_s
-        for p in self.procs:
-            try:
-                p.popen.wait(max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self.procs:
-            # The group too: a role's own children (grading pools) must not outlive it.
-            try:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.popen.wait()
-
-    def run(self) -> int:
-        """Start all roles, show progress, stop everything; returns the exit code."""
-        progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps)
-        try:
-            self.start_all()
-            trainer = next(p for p in self.procs if p.name == _LAST_ROLE)
-            while True:
-                progress.poll()
-                for p in self.procs:
-                    rc = p.popen.poll()
-                    if rc is None or (rc == 0 and p.name == _LAST_ROLE):
-                        continue
-                    progress.close()
-                    print(
-                        f"\nareal: role {p.name} {exit_reason(rc)}; stopping the run. "
-                        f"Last lines of {p.log}:\n{tail(p.log, self.cfg.launcher.log_tail_lines)}",
-                        file=sys.stderr,
-                    )
-                    return 1
-                if trainer.popen.poll() == 0:
-                    progress.poll()
-                    progress.close()
-                    print(f"areal: run finished; metrics in {self.exp_dir / 'metrics.jsonl'}")
-                    return 0
-                time.sleep(self.cfg.launcher.dead_role_poll_s)
-        except KeyboardInterrupt:
-            progress.close()
-            print("\nareal: interrupted; stopping all roles", file=sys.stderr)
-            return 130
-        finally:
-            self.stop_all()
-
-
-class Progress:
-    """Tails metrics.jsonl: one console line per training step and a progress bar."""
-
-    def __init__(self, path: Path, total_steps: int):
-        self.path = path
-        self.offset = 0
-        self.bar = tqdm(
-            total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout, disable=None
+        plan = make_plan(
+            cfg, [socket.gethostname()], 0, {socket.gethostname(): "127.0.0.1"}, free_port()
         )
+        super().__init__(cfg, plan)
 
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path) as f:
-            f.seek(self.offset)
-            data = f.read()
-        lines = data.split("\n")
-        self.offset += len(data) - len(lines[-1])  # a partial last line waits for its end
-        for line in lines[:-1]:
-            if line.strip():
-                self.bar.write(format_step(json.loads(line)))
-                self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def format_step(m: dict) -> str:
-    return (
-        f"step {m['step']:>4} | version {m['version']:>4} | reward {m['reward/mean']:+6.2f} | "
-        f"staleness max {m['staleness/max']} | {m['throughput/train_tokens_per_s']:7.1f} tok/s | "
-        f"{m['time']:7.1f}s"
-    )
+    def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
+        return cmd, {}

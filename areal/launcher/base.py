@@ -1,0 +1,201 @@
+"""What every launcher shares: start each step of a plan, watch exit codes, stop them all.
+
+    launcher --start(step)--> role process (a subprocess, or the srun that runs it on a node)
+             <-- exit codes (polled every launcher.dead_role_poll_s), metrics.jsonl (tailed)
+
+A launcher differs only in `command` (how a step's command line is run: directly, or
+wrapped in srun). The run succeeds when every trainer rank exits 0 (after the last
+checkpoint); the other roles are services, stopped then. Any other exit of any step stops
+everything and names the role with the tail of its log. SIGTERM (scancel, kill) and
+Ctrl-C stop everything too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from areal.launcher.plan import Plan, Step
+from areal.process import die_with_parent
+
+
+@dataclass
+class Proc:
+    step: Step
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def name(self) -> str:
+        return self.step.name
+
+
+def tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def exit_reason(rc: int) -> str:
+    if rc < 0:
+        return f"was killed by {signal.Signals(-rc).name}"
+    return f"exited with code {rc}"
+
+
+def worker_command(exp_dir: Path, step: Step) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "areal.worker",
+        "--role",
+        step.role,
+        "--index",
+        str(step.index),
+        "--exp-dir",
+        str(exp_dir),
+    ]
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (scancel, kill): stop every role like Ctrl-C does."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated
+
+
+class Launcher:
+    def __init__(self, cfg, plan: Plan):
+        self.cfg = cfg
+        self.plan = plan
+        self.exp_dir = cfg.exp_dir
+        self.log_dir = self.exp_dir / "logs"
+        self.procs: list[Proc] = []
+
+    def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
+        """The command line that runs `cmd` for `step`, and its extra environment."""
+        raise NotImplementedError
+
+    def exit_reason(self, rc: int) -> str:
+        return exit_reason(rc)
+
+    def start(self, step: Step) -> None:
+        log = self.log_dir / f"{step.name}.log"
+        cmd, env = self.command(step, worker_command(self.exp_dir, step))
+        with open(log, "w") as f:
+            popen = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                # Its own process group: stopping a step stops its children (grading pools).
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **step.env, **env},
+            )
+        self.procs.append(Proc(step, popen, log))
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + grace_s
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            # The group too: a role's own children (grading pools) must not outlive it.
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.popen.wait()
+
+    def run(self) -> int:
+        """Start all steps, show progress, stop everything; returns the exit code."""
+        progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps)
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            for step in self.plan.steps:
+                self.start(step)
+            trainers = [p for p in self.procs if p.step.role == "trainer"]
+            while True:
+                progress.poll()
+                for p in self.procs:
+                    rc = p.popen.poll()
+                    if rc is None or (rc == 0 and p.step.role == "trainer"):
+                        continue
+                    progress.close()
+                    print(
+                        f"\nareal: role {p.name} {self.exit_reason(rc)}; stopping the run. "
+                        f"Last lines of {p.log}:\n{tail(p.log, self.cfg.launcher.log_tail_lines)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return 1
+                if all(p.popen.poll() == 0 for p in trainers):
+                    progress.poll()
+                    progress.close()
+                    print(f"areal: run finished; metrics in {self.exp_dir / 'metrics.jsonl'}")
+                    return 0
+                time.sleep(self.cfg.launcher.dead_role_poll_s)
+        except KeyboardInterrupt:
+            progress.close()
+            print("\nareal: interrupted; stopping all roles", file=sys.stderr, flush=True)
+            return 130
+        except _Terminated:
+            progress.close()
+            print("\nareal: terminated; stopping all roles", file=sys.stderr, flush=True)
+            return 143
+        finally:
+            self.stop_all()
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Progress:
+    """Tails metrics.jsonl: one console line per training step and a progress bar."""
+
+    def __init__(self, path: Path, total_steps: int):
+        self.path = path
+        self.offset = 0
+        self.bar = tqdm(
+            total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout, disable=None
+        )
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            data = f.read()
+        lines = data.split("\n")
+        self.offset += len(data) - len(lines[-1])  # a partial last line waits for its end
+        for line in lines[:-1]:
+            if line.strip():
+                self.bar.write(format_step(json.loads(line)))
+                self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def format_step(m: dict) -> str:
+    return (
+        f"step {m['step']:>4} | version {m['version']:>4} | reward {m['reward/mean']:+6.2f} | "
+        f"staleness max {m['staleness/max']} | {m['throughput/train_tokens_per_s']:7.1f} tok/s | "
+        f"{m['time']:7.1f}s"
+    )

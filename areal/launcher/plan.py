@@ -1,0 +1,157 @@
+"""Placement: which node runs which role on which GPUs. Pure: no SLURM, no processes.
+
+    nodes:  n0 ......... n11 | n12 ......... n15        (16 nodes x 8 GPUs, the paper's 1.5B run)
+    GPUs:   inference: 96    | training: 32             (launcher.inference_fraction = 0.75)
+    steps:  server{k} (inference.tp_size GPUs) + rollout{k} beside it   trainer{rank} (1 GPU)
+            controller0, reward0 on the first node, sharing its CPUs
+
+With GPUs the split is by GPU, in node order, rounded down to whole servers, so that a
+server never spans two nodes and every node left over trains. Without GPUs (CPU tests) the
+split is by node: rollout.n_servers servers spread over the inference nodes, one trainer
+rank per training node; a single node runs everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Step:
+    """One process of the run: `python -m areal.worker --role ROLE --index INDEX` on NODE."""
+
+    role: str
+    index: int
+    node: str
+    gpus: int = 0
+    """GPUs the step holds alone; 0 = it shares the node's CPUs with the others."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of the step beyond the launcher's (torch.distributed rendezvous)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.index}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    nodes: list[str]
+    gpus_per_node: int
+    inference_gpus: int
+    training_gpus: int
+    steps: list[Step]
+
+    @property
+    def n_servers(self) -> int:
+        return sum(s.role == "server" for s in self.steps)
+
+    @property
+    def world_size(self) -> int:
+        return sum(s.role == "trainer" for s in self.steps)
+
+    def describe(self) -> str:
+        """The plan, one line per node, for the dry run and the job's log."""
+        if self.gpus_per_node:
+            head = (
+                f"{len(self.nodes)} nodes x {self.gpus_per_node} GPUs: "
+                f"{self.inference_gpus} GPUs for inference ({self.n_servers} servers), "
+                f"{self.training_gpus} for training (world size {self.world_size})"
+            )
+        else:
+            head = (
+                f"{len(self.nodes)} nodes, CPU only: {self.n_servers} inference servers, "
+                f"{self.world_size} trainer ranks"
+            )
+        lines = [head]
+        for node in self.nodes:
+            groups: list[list[Step]] = []  # runs of consecutive steps of one role
+            for s in (s for s in self.steps if s.node == node):
+                if groups and groups[-1][-1].role == s.role and groups[-1][-1].gpus == s.gpus:
+                    groups[-1].append(s)
+                else:
+                    groups.append([s])
+            used, parts = 0, []
+            for g in groups:
+                first, last = g[0], g[-1]
+                name = first.name if len(g) == 1 else f"{first.name}-{last.index}"
+                if first.gpus:
+                    n = first.gpus * len(g)
+                    each = f", {first.gpus} each" if len(g) > 1 else ""
+                    name += f" [gpu {used}" + (f"-{used + n - 1}" if n > 1 else "") + f"{each}]"
+                    used += n
+                parts.append(name)
+            lines.append(f"  {node}: {', '.join(parts) or '(idle)'}")
+        return "\n".join(lines)
+
+
+def make_plan(
+    cfg,
+    nodes: list[str],
+    gpus_per_node: int,
+    addresses: dict[str, str] | None = None,
+    master_port: int = 29500,
+) -> Plan:
+    """Place every role of `cfg` on `nodes`; addresses maps node -> reachable address."""
+    if not nodes:
+        raise ConfigError("no nodes to place the run on: launcher.nodes must be >= 1")
+    addresses = addresses or {}
+    if gpus_per_node:
+        inference, trainers, n_inf, n_train = _gpu_split(cfg, nodes, gpus_per_node)
+    else:
+        inference, trainers = _cpu_split(cfg, nodes)
+        n_inf = n_train = 0
+    steps: list[Step] = []
+    for k, (node, gpus) in enumerate(inference):
+        steps.append(Step("server", k, node, gpus))
+    # Service roles share the first node's CPUs; each rollout worker sits beside its server.
+    steps.append(Step("reward", 0, nodes[0]))
+    for k, (node, _) in enumerate(inference):
+        steps.append(Step("rollout", k, node))
+    steps.append(Step("controller", 0, nodes[0]))
+    master = addresses.get(trainers[0][0], trainers[0][0])
+    for rank, (node, gpus) in enumerate(trainers):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(trainers)),
+            # Each rank is its own step holding its own GPU, so it sees that GPU as cuda:0.
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": master,
+            "MASTER_PORT": str(master_port),
+        }
+        steps.append(Step("trainer", rank, node, gpus, env))
+    return Plan(nodes, gpus_per_node, n_inf, n_train, steps)
+
+
+def _gpu_split(cfg, nodes, gpus_per_node):
+    tp = cfg.inference.tp_size
+    if gpus_per_node % tp:
+        raise ConfigError(
+            f"inference.tp_size={tp} does not divide the {gpus_per_node} GPUs of a node: "
+            "a server may not span nodes; pick a divisor of launcher.gpus_per_node"
+        )
+    total = len(nodes) * gpus_per_node
+    # Round to whole servers, keeping at least one server and one training GPU.
+    n_inf = round(total * cfg.launcher.inference_fraction) // tp * tp
+    n_inf = min(max(n_inf, tp), (total - 1) // tp * tp)
+    if n_inf < tp:
+        raise ConfigError(
+            f"{total} GPUs cannot hold an inference server of inference.tp_size={tp} GPUs "
+            "and a trainer: allocate more GPUs or lower inference.tp_size"
+        )
+    slots = [(node, g) for node in nodes for g in range(gpus_per_node)]
+    inference = [(node, tp) for node, g in slots[:n_inf] if g % tp == 0]
+    trainers = [(node, 1) for node, _ in slots[n_inf:]]
+    return inference, trainers, n_inf, total - n_inf
+
+
+def _cpu_split(cfg, nodes):
+    if len(nodes) == 1:
+        inf_nodes = train_nodes = nodes
+    else:
+        n = min(max(round(len(nodes) * cfg.launcher.inference_fraction), 1), len(nodes) - 1)
+        inf_nodes, train_nodes = nodes[:n], nodes[n:]
+    servers = cfg.rollout.n_servers
+    inference = [(inf_nodes[k % len(inf_nodes)], 0) for k in range(servers)]
+    return inference, [(node, 0) for node in train_nodes]

@@ -1,0 +1,150 @@
+"""`sbatch scripts/run_math.sh` on a real two-node SLURM with fake GPUs (slurm/test_cluster.sh).
+
+Each job runs the tiny config on both nodes: server0 on n1 (on its GPU), trainer0 on n2 (on
+its GPU), the services beside the server: every step of a real plan, as srun steps. One job
+uses no GPU (launcher.gpus_per_node=0), the CPU placement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """One tiny model for every job here (making it per job would dominate their time)."""
+    from areal.models.tiny import make_tiny_model
+
+    return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=1, warmup_steps=50))
+
+
+def sbatch(tmp_path: Path, model: Path, *overrides: str, gpus: int = 1, wait: bool = False) -> str:
+    """Submit run_math.sh with the tiny config, using `gpus` per node; returns the job id."""
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "-N",
+        "2",
+        "--gpus-per-node=1",  # the script asks for 8; each test node has 4 fake ones
+        f"--output={tmp_path / 'job.out'}",
+        *(["--wait"] if wait else []),
+        "scripts/run_math.sh",
+        "--config",
+        "configs/tiny.yaml",
+        f"fileroot={tmp_path}",
+        f"model.path={model}",
+        f"launcher.gpus_per_node={gpus}",
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 or wait, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(job: str) -> str:
+    out = subprocess.run(
+        ["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30
+    ).stdout
+    return next(f.split("=", 1)[1] for f in out.split() if f.startswith("JobState="))
+
+
+def job_processes(job: str) -> list[str]:
+    """Command lines of processes (on any node: all are on this host) of SLURM job `job`."""
+    found = []
+    for p in Path("/proc").iterdir():
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+            if f"SLURM_JOB_ID={job}".encode() in env and p.name != str(os.getpid()):
+                found.append((p / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError):
+            continue
+    return [c for c in found if "slurmstepd" not in c]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def metrics(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "tiny/run0/metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.endswith("}")]
+
+
+def role_pid(tmp_path: Path, role: str) -> int | None:
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"areal.worker" in cmd
+            and role.encode() in cmd
+            and str(tmp_path).encode() in b" ".join(cmd)
+        ):
+            return int(p.name)
+    return None
+
+
+def test_sbatch_run_completes(tmp_path, tiny_model):
+    job = sbatch(tmp_path, tiny_model, "total_train_steps=10", wait=True)
+    out = (tmp_path / "job.out").read_text()
+    assert job_state(job) == "COMPLETED", out[-3000:]
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 11)), out[-3000:]
+    # The plan put the server and the trainer on different nodes, each with its GPU.
+    assert "n1: server0 [gpu 0], reward0, rollout0, controller0" in out
+    assert "n2: trainer0 [gpu 0]" in out
+    assert "run finished" in out
+    assert (tmp_path / "tiny/run0/registry/server/0").read_text().startswith("http://127.0.0.1:")
+    assert job_processes(job) == []
+
+
+def test_a_dead_step_fails_the_job(tmp_path, tiny_model):
+    job = sbatch(tmp_path, tiny_model, "total_train_steps=100000", gpus=0)
+    try:
+        wait_for(lambda: metrics(tmp_path), 240, "the first training step")
+        out = (tmp_path / "job.out").read_text()
+        assert "2 nodes, CPU only" in out and "n2: trainer0\n" in out, out[-3000:]
+        pid = role_pid(tmp_path, "reward")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: job_state(job) == "FAILED", 30, "the job to fail")
+        assert time.monotonic() - killed < 30
+        out = (tmp_path / "job.out").read_text()
+        assert "role reward0 was killed by SIGKILL" in out, out[-3000:]
+        wait_for(lambda: job_processes(job) == [], 20, "every process of the job to end")
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+
+
+def test_scancel_leaves_no_process(tmp_path, tiny_model):
+    job = sbatch(tmp_path, tiny_model, "total_train_steps=100000")
+    try:
+        wait_for(lambda: metrics(tmp_path), 240, "the first training step")
+        assert any("areal.worker" in c for c in job_processes(job))
+        subprocess.run(["scancel", job], check=True, timeout=30)
+        wait_for(lambda: job_state(job) == "CANCELLED", 30, "the job to be cancelled")
+        left = wait_for(lambda: job_processes(job) == [] or None, 30, "the job's processes to end")
+        assert left
+        assert role_pid(tmp_path, "trainer") is None and role_pid(tmp_path, "rollout") is None
+    finally:
+        subprocess.run(["scancel", job], timeout=30)

@@ -1,0 +1,103 @@
+"""The placement plan: the paper's split, whole servers per node, CPU placement, dry runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal.config import ConfigError, load_config
+from areal.launcher.plan import make_plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def nodes(n: int) -> list[str]:
+    return [f"node{i}" for i in range(n)]
+
+
+def test_math_1_5b_on_16_nodes_is_the_papers_split() -> None:
+    cfg = load_config(str(REPO / "configs/math_1.5b.yaml"))
+    plan = make_plan(cfg, nodes(16), 8, {f"node{i}": f"10.0.0.{i}" for i in range(16)})
+    assert (plan.inference_gpus, plan.training_gpus) == (96, 32)
+    assert plan.n_servers == 96 == cfg.rollout.n_servers
+    trainers = [s for s in plan.steps if s.role == "trainer"]
+    assert plan.world_size == len(trainers) == 32
+    # Inference fills the first 12 nodes, training the last 4: no node does both.
+    assert {s.node for s in plan.steps if s.role == "server"} == set(nodes(12))
+    assert {s.node for s in trainers} == set(nodes(16)[12:])
+    assert all(s.gpus == 1 for s in plan.steps if s.role in ("server", "trainer"))
+    assert sum(s.gpus for s in plan.steps) == 128
+    assert [s.env["RANK"] for s in trainers] == [str(r) for r in range(32)]
+    assert {s.env["WORLD_SIZE"] for s in trainers} == {"32"}
+    assert {s.env["MASTER_ADDR"] for s in trainers} == {"10.0.0.12"}  # the first training node
+    # Every rollout worker sits on its server's node.
+    servers = {s.index: s.node for s in plan.steps if s.role == "server"}
+    assert all(servers[s.index] == s.node for s in plan.steps if s.role == "rollout")
+    assert [s.name for s in plan.steps if s.role in ("controller", "reward")] == [
+        "reward0",
+        "controller0",
+    ]
+
+
+def test_paper_configs_load_and_plan() -> None:
+    for name, eta, gpus in [("math_7b", 8, 192), ("math_32b", 8, 384), ("code_14b", 4, 256)]:
+        cfg = load_config(str(REPO / f"configs/{name}.yaml"))
+        assert cfg.max_staleness == eta
+        assert (cfg.trainer.batch_size, cfg.rollout.group_size) == (512, 16)
+        assert cfg.trainer.lr == 2e-5 and cfg.rollout.max_new_tokens == 27648
+        plan = make_plan(cfg, nodes(cfg.launcher.nodes), cfg.launcher.gpus_per_node)
+        assert plan.inference_gpus + plan.training_gpus == gpus
+        assert plan.inference_gpus == gpus * 3 // 4
+        assert plan.n_servers == cfg.rollout.n_servers
+
+
+def test_tensor_parallel_servers_never_span_nodes() -> None:
+    cfg = load_config(None, ["inference.tp_size=4", "launcher.inference_fraction=0.5"])
+    plan = make_plan(cfg, nodes(3), 4)
+    # 6 of 12 GPUs rounds down to one whole 4-GPU server; the other 8 GPUs train.
+    assert (plan.n_servers, plan.inference_gpus, plan.training_gpus) == (1, 4, 8)
+    with pytest.raises(ConfigError, match="does not divide"):
+        make_plan(load_config(None, ["inference.tp_size=3"]), nodes(2), 8)
+
+
+def test_cpu_plan_splits_nodes() -> None:
+    cfg = load_config(None, ["rollout.n_servers=3"])
+    plan = make_plan(cfg, nodes(4), 0)
+    assert [s.node for s in plan.steps if s.role == "server"] == ["node0", "node1", "node2"]
+    assert [s.node for s in plan.steps if s.role == "trainer"] == ["node3"]
+    two = make_plan(cfg, nodes(2), 0)  # round(1.5) inference nodes, but one must train
+    assert {s.node for s in two.steps if s.role == "trainer"} == {"node1"}
+    one = make_plan(cfg, nodes(1), 0)
+    assert {s.node for s in one.steps} == {"node0"} and one.world_size == 1
+
+
+def test_fraction_is_validated() -> None:
+    with pytest.raises(ConfigError, match="launcher.inference_fraction must be in"):
+        load_config(None, ["launcher.inference_fraction=1"])
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}  # no SLURM_JOB_ID: outside a job
+    return subprocess.run(
+        [sys.executable, "-m", "areal.train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_dry_run_prints_the_plan_and_outside_a_job_slurm_says_use_sbatch(tmp_path) -> None:
+    proc = _train("--config", "configs/math_1.5b.yaml", "--dry-run", f"fileroot={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert "96 GPUs for inference (96 servers), 32 for training" in proc.stdout
+    assert "node15: trainer24-31 [gpu 0-7, 1 each]" in proc.stdout
+    assert not (tmp_path / "math_1.5b").exists()  # a dry run starts and writes nothing
+    proc = _train("--config", "configs/tiny.yaml", "launcher.type=slurm", f"fileroot={tmp_path}")
+    assert proc.returncode == 2 and "sbatch" in proc.stderr and "salloc" in proc.stderr
+    proc = _train("launcher.type=slurm", "--dry-run", "--nodes", "2", "--gpus-per-node", "4")
+    assert "6 GPUs for inference (6 servers), 2 for training (world size 2)" in proc.stdout
