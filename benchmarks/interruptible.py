@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from areal.launcher.local import free_port
+from areal.comm.net import free_port
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
 from areal.rollout.worker import RolloutWorker
 
