@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from areal.comm.net import free_port
+
 READY = "areal embedded server ready at http://127.0.0.1:{port}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
