@@ -1,12 +1,13 @@
 """The local launcher: every role as a subprocess of this one, on this machine.
 
     launcher --Popen--> inference server k (embedded, or SGLang)   logs/server{k}.log
-             --Popen--> reward0, rollout{k}, controller0, trainer0  logs/{role}{k}.log
+             --Popen--> reward0, rollout{k}, controller0            logs/{role}{k}.log
+             --Popen--> trainer{r}, r < trainer.parallel.dp         (RANK, WORLD_SIZE, ...)
              <-- exit codes (polled) , metrics.jsonl (tailed for the console)
 
 Each child runs in its own process group (so its own children, such as grading pools,
 are stopped with it) and gets SIGKILL if the launcher itself dies (PR_SET_PDEATHSIG), so a
-run never leaves orphans. The run succeeds when the trainer exits 0 (after its last
+run never leaves orphans. The run succeeds when every trainer rank exits 0 (after the last
 checkpoint); the other roles are services, stopped then. Any other exit of any role stops
 everything and names the role with the tail of its log.
 """
@@ -29,7 +30,7 @@ from areal.checkpoint import latest
 from areal.comm.registry import Registry
 from areal.process import die_with_parent
 
-_LAST_ROLE = "trainer0"  # the run is over when the trainer exits 0; the rest are services
+_LAST_ROLE = "trainer"  # the run is over when every trainer rank exits 0; the rest are services
 
 
 @dataclass
@@ -52,6 +53,21 @@ def tail(path: Path, n: int) -> str:
         return f"(no log: {e})"
 
 
+def is_trainer(name: str) -> bool:
+    return name.removeprefix(_LAST_ROLE).isdigit()
+
+
+def trainer_world_env(dp: int) -> dict[str, str]:
+    """torch.distributed's rendezvous variables for dp trainer ranks on this machine."""
+    return {
+        "WORLD_SIZE": str(dp),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        # gloo picks the interface of the hostname, which need not reach 127.0.0.1.
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    }
+
+
 def exit_reason(rc: int) -> str:
     if rc < 0:
         return f"was killed by {signal.Signals(-rc).name}"
@@ -65,7 +81,7 @@ class LocalLauncher:
         self.log_dir = self.exp_dir / "logs"
         self.procs: list[Proc] = []
 
-    def start(self, name: str, cmd: list[str]) -> None:
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
         log = self.log_dir / f"{name}.log"
         with open(log, "w") as f:
             popen = subprocess.Popen(
@@ -75,7 +91,7 @@ class LocalLauncher:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
         self.procs.append(Proc(name, popen, log))
 
@@ -91,7 +107,11 @@ class LocalLauncher:
         for k in range(cfg.rollout.n_servers):
             self.start(f"rollout{k}", [*role, "rollout", "--index", str(k)])
         self.start("controller0", [*role, "controller"])
-        self.start("trainer0", [*role, "trainer"])
+        dp = cfg.trainer.parallel.dp
+        world = trainer_world_env(dp) if dp > 1 else {}
+        for r in range(dp):
+            rank = {"RANK": str(r), "LOCAL_RANK": str(r)} if dp > 1 else {}
+            self.start(f"trainer{r}", [*role, "trainer", "--index", str(r)], {**world, **rank})
 
     def server_command(self, k: int, port: int) -> list[str]:
         cfg = self.cfg
@@ -139,12 +159,12 @@ class LocalLauncher:
         progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps)
         try:
             self.start_all()
-            trainer = next(p for p in self.procs if p.name == _LAST_ROLE)
+            trainers = [p for p in self.procs if is_trainer(p.name)]
             while True:
                 progress.poll()
                 for p in self.procs:
                     rc = p.popen.poll()
-                    if rc is None or (rc == 0 and p.name == _LAST_ROLE):
+                    if rc is None or (rc == 0 and is_trainer(p.name)):
                         continue
                     progress.close()
                     print(
@@ -153,7 +173,7 @@ class LocalLauncher:
                         file=sys.stderr,
                     )
                     return 1
-                if trainer.popen.poll() == 0:
+                if all(p.popen.poll() == 0 for p in trainers):
                     progress.poll()
                     progress.close()
                     print(f"areal: run finished; metrics in {self.exp_dir / 'metrics.jsonl'}")
