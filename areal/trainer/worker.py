@@ -96,9 +96,7 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
     # Every rank loads the same weights and optimizer state, so that identical summed
     # gradients keep them identical; rank 0 alone writes them back.
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
-    backend = make_backend(
-        cfg, resume_from.model_dir if resume_from else cfg.model.path, dp.device
-    )
+    backend = make_backend(cfg, resume_from.model_dir if resume_from else cfg.model.path, dp.device)
     version = 0
     if resume_from:
         backend.load_state_dict(load_trainer_state(resume_from.path))
