@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from test_run import _wait_for, cmdline, launched, processes_mentioning, read_metrics, run_train
 
 import areal.trainer.step as step_mod
 from areal.comm import wire
@@ -210,3 +212,57 @@ def test_a_dead_peer_fails_the_collective_instead_of_hanging(tmp_path):
     outcome, seconds = json.loads((tmp_path / "outcome.json").read_text())
     assert outcome != "returned"
     assert seconds < 15
+
+
+# ---------------------------------------------------------------- whole runs with dp = 2
+
+# No supervised warm-up: these runs check processes, not learning, and the model is made
+# in a second instead of a minute.
+FAST_MODEL = "model.tiny_warmup_steps=0"
+
+
+def test_tiny_run_with_two_trainer_ranks_and_resume(tmp_path):
+    """The launcher starts trainer0 and trainer1; the run ends when both exit 0; a resumed
+    run loads the checkpoint on both ranks and continues."""
+    exp_dir = tmp_path / "tiny/dp"
+    common = ("trial_name=dp", "trainer.parallel.dp=2", "trainer.save_freq_steps=2")
+    proc = run_train(tmp_path, "total_train_steps=3", FAST_MODEL, *common, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(exp_dir)
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    assert all(m["trainer/dp"] == 2 for m in metrics)
+    assert all(m["loss/n_valid_tokens"] == m["train/n_tokens"] for m in metrics)  # no cap
+    assert (exp_dir / "logs/trainer1.log").exists()
+    assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == ["v000003"]
+
+    proc = run_train(
+        tmp_path, "total_train_steps=5", "resume=true", FAST_MODEL, *common, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout
+    assert [m["version"] for m in read_metrics(exp_dir)] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == ["v000005"]
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_a_killed_trainer_rank_stops_the_run(tmp_path):
+    exp_dir = tmp_path / "tiny/dpkill"
+    overrides = (
+        "total_train_steps=100000",
+        "trial_name=dpkill",
+        "trainer.parallel.dp=2",
+        FAST_MODEL,
+    )
+    with launched(tmp_path, *overrides) as launcher:
+        _wait_for(lambda: (exp_dir / "metrics.jsonl").exists(), 120, "a training step")
+        victims = [
+            p
+            for p in processes_mentioning(str(tmp_path))
+            if "--role trainer --index 1" in cmdline(p)
+        ]
+        assert len(victims) == 1
+        os.kill(victims[0], signal.SIGKILL)
+        out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    assert "role trainer1 was killed by SIGKILL" in err, err[-2000:]
+    _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
