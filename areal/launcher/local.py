@@ -30,7 +30,7 @@ from areal.checkpoint import latest
 from areal.comm.registry import Registry
 from areal.process import die_with_parent
 
-_LAST_ROLE = "trainer"  # the run is over when every trainer rank exits 0; the rest are services
+_TRAINER = "trainer"  # the run is over when every trainer rank exits 0; the rest are services
 
 
 @dataclass
@@ -54,7 +54,7 @@ def tail(path: Path, n: int) -> str:
 
 
 def is_trainer(name: str) -> bool:
-    return name.removeprefix(_LAST_ROLE).isdigit()
+    return name.removeprefix(_TRAINER).isdigit()
 
 
 def trainer_world_env(dp: int) -> dict[str, str]:
