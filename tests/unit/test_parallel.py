@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from areal.config import ConfigError, load_config
 from areal.trainer.parallel import DataParallel, init_data_parallel
+from areal.trainer.step import _equal_micro_batches
 
 
 @given(st.lists(st.integers(1, 500), min_size=0, max_size=40), st.integers(1, 5))
@@ -68,3 +69,26 @@ def test_dp_config_key_is_validated() -> None:
     # 16 prompts x 8 responses = 128 trajectories, 4 minibatches: 64 ranks would idle
     with pytest.raises(ConfigError, match="every rank needs a share of every minibatch"):
         load_config(None, ["trainer.parallel.dp=64"])
+
+
+class PeerWithMoreMicroBatches(DataParallel):
+    """This rank's view when another rank cut its share into `peer_n_mbs` micro-batches."""
+
+    def __init__(self, peer_n_mbs: int):
+        super().__init__()
+        self.peer_n_mbs = peer_n_mbs
+
+    def all_reduce(self, values, op="sum"):
+        assert op == "max"
+        return [max(v, self.peer_n_mbs) for v in values]
+
+
+@pytest.mark.parametrize("peer_n_mbs", [1, 2, 3, 5])
+def test_every_rank_runs_the_largest_micro_batch_count(peer_n_mbs) -> None:
+    seqs = [[0] * n for n in (6, 5, 4, 30)]
+    share = [0, 1, 2]  # 15 tokens: one micro-batch under a budget of 32
+    mbs = _equal_micro_batches(seqs, share, (32, 1), PeerWithMoreMicroBatches(peer_n_mbs))
+    assert len(mbs) == max(1, peer_n_mbs)
+    assert sorted(i for mb in mbs for i in mb) == share  # split, never duplicated or lost
+    # Three sequences make three micro-batches at most; the rest are empty (run nothing).
+    assert sum(1 for mb in mbs if not mb) == max(0, peer_n_mbs - 3)
