@@ -1,9 +1,9 @@
 """Naive PPO against decoupled PPO with stale data: a miniature of the paper's ablation.
 
-    python benchmarks/naive_vs_decoupled.py [--steps 120] [--last 20] [key=value ...]
+    python benchmarks/naive_vs_decoupled.py [--steps 120] [--last 20] [--eta 4] [key=value ...]
 
-Both variants train the tiny config with max_staleness=4 (the paper's eta = 4 row, where
-naive PPO fell to 23.3 on AIME24 while decoupled PPO held 42.2); naive PPO is
+Both variants train the tiny config with max_staleness=eta (default 4: the paper's row
+where naive PPO fell to 23.3 on AIME24 while decoupled PPO held 42.2); naive PPO is
 ppo.use_decoupled_loss=false, i.e. the behaviour policy stands in for the proximal one.
 Each runs as `python -m areal.train` in a temporary file root. Prints the final reward of
 each (mean reward/mean over the last --last steps of metrics.jsonl), the mean observed
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"naive": "ppo.use_decoupled_loss=false", "decoupled": "ppo.use_decoupled_loss=true"}
 
 
-def run(fileroot: str, name: str, steps: int, last: int, overrides: list[str]) -> dict:
+def run(fileroot: str, name: str, steps: int, last: int, eta: int, overrides: list[str]) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -35,7 +35,7 @@ def run(fileroot: str, name: str, steps: int, last: int, overrides: list[str]) -
         f"fileroot={fileroot}",
         f"trial_name={name}",
         f"total_train_steps={steps}",
-        "max_staleness=4",
+        f"max_staleness={eta}",
         *overrides,
     ]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--last", type=int, default=20, help="steps averaged for the reward")
     parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--eta", type=int, default=4, help="max_staleness of both runs")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
     args = parser.parse_args()
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -61,7 +62,7 @@ def main() -> None:
         for seed in range(1, args.seeds + 1):
             for name, flag in VARIANTS.items():  # interleaved: both see the same machine
                 extra = [flag, f"seed={seed}", *args.overrides]
-                results[name].append(run(root, f"{name}{seed}", args.steps, args.last, extra))
+                results[name].append(run(root, f"{name}{seed}", args.steps, args.last, args.eta, extra))
     med = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in results.items()}
     print(
         f"{'variant':<10} {'first reward':>13} {'final reward':>13} {'staleness':>10} {'wall s':>7}"
@@ -72,7 +73,7 @@ def main() -> None:
             f"{m['staleness']:>10.2f} {m['wall_s']:>7.1f}"
         )
     diff = med["decoupled"]["final_reward"] - med["naive"]["final_reward"]
-    print(f"final reward, decoupled - naive (eta=4): {diff:+.2f}")
+    print(f"final reward, decoupled - naive (eta={args.eta}): {diff:+.2f}")
 
 
 if __name__ == "__main__":
