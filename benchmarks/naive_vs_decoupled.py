@@ -62,7 +62,9 @@ def main() -> None:
         for seed in range(1, args.seeds + 1):
             for name, flag in VARIANTS.items():  # interleaved: both see the same machine
                 extra = [flag, f"seed={seed}", *args.overrides]
-                results[name].append(run(root, f"{name}{seed}", args.steps, args.last, args.eta, extra))
+                results[name].append(
+                    run(root, f"{name}{seed}", args.steps, args.last, args.eta, extra)
+                )
     med = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in results.items()}
     print(
         f"{'variant':<10} {'first reward':>13} {'final reward':>13} {'staleness':>10} {'wall s':>7}"
