@@ -217,6 +217,20 @@ class MicroBatchSpec(_Section):
 
 
 @dataclass(kw_only=True)
+class ParallelConfig(_Section):
+    _section: ClassVar[str] = "trainer.parallel"
+
+    dp: int = 1
+    """Data-parallel trainer ranks (one torch.distributed world; 1 = no process group)."""
+    timeout_s: float = 1800.0
+    """Seconds a trainer rank waits in a collective (rank 0 fetching a batch included) before failing."""  # noqa: E501
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._positive("dp", "timeout_s")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig(_Section):
     _section: ClassVar[str] = "trainer"
 
@@ -240,6 +254,8 @@ class TrainerConfig(_Section):
     """Torch threads of the trainer."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """Dynamic micro-batching."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data parallelism of the trainer."""
     save_freq_steps: int = 0
     """Save a checkpoint every this many steps (0: only after the last step)."""
 
@@ -379,6 +395,14 @@ class ExperimentConfig(_Section):
                 f"ppo.n_minibatches ({self.ppo.n_minibatches}) exceeds the "
                 f"{n_traj} trajectories of a batch (trainer.batch_size x "
                 "rollout.group_size): lower it or raise the batch"
+            )
+        dp = self.trainer.parallel.dp
+        if dp * self.ppo.n_minibatches > n_traj:
+            # A rank without a sequence in a minibatch would only add an idle process.
+            raise ConfigError(
+                f"trainer.parallel.dp ({dp}) x ppo.n_minibatches ({self.ppo.n_minibatches}) "
+                f"exceeds the {n_traj} trajectories of a batch: every rank needs a share of "
+                "every minibatch; lower dp or n_minibatches, or raise the batch"
             )
 
     @property

@@ -85,7 +85,8 @@ def prepare_experiment(cfg):
 
 
 def plan_run(cfg):
-    """The placement of `cfg` (and, under SLURM, the allocation); sets rollout.n_servers."""
+    """The placement of `cfg` (and, under SLURM, the allocation); sets rollout.n_servers and
+    trainer.parallel.dp to what it placed."""
     alloc = None
     if cfg.launcher.type == "local":
         from areal.launcher.local import LocalLauncher
@@ -114,6 +115,13 @@ def plan_run(cfg):
             f"(inference GPUs / inference.tp_size; the config said {cfg.rollout.n_servers})"
         )
         cfg.rollout.n_servers = plan.n_servers
+    if plan.world_size != cfg.trainer.parallel.dp:
+        # Likewise the trainer ranks: one per training GPU.
+        print(
+            f"areal: trainer.parallel.dp={plan.world_size} "
+            f"(training GPUs; the config said {cfg.trainer.parallel.dp})"
+        )
+        cfg.trainer.parallel.dp = plan.world_size
     return plan, alloc
 
 

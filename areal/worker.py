@@ -2,7 +2,9 @@
 
 The launcher starts every role this way; starting one by hand (for debugging) works the
 same, given a running experiment directory: the role reads DIR/config.yaml, finds its
-peers in DIR/registry/, and registers its own address there.
+peers in DIR/registry/, and registers its own address there. Trainer ranks of a
+data-parallel trainer (trainer.parallel.dp > 1) also read RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT and LOCAL_RANK, and --index must equal RANK (areal/trainer/parallel.py).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         from areal.trainer.worker import run_trainer
 
-        run_trainer(cfg, key)
+        run_trainer(cfg, key, args.index)  # the index is the trainer rank
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
 
 With GPUs the split is by GPU, in node order, rounded down to whole servers, so that a
 server never spans two nodes and every node left over trains. Without GPUs (CPU tests) the
-split is by node: rollout.n_servers servers spread over the inference nodes, one trainer
-rank per training node; a single node runs everything.
+split is by node: rollout.n_servers servers spread over the inference nodes and
+trainer.parallel.dp ranks over the training nodes; a single node runs everything.
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def make_plan(
         env = {
             "RANK": str(rank),
             "WORLD_SIZE": str(len(trainers)),
-            # Each rank is its own step holding its own GPU, so it sees that GPU as cuda:0.
-            "LOCAL_RANK": "0",
+            # A GPU rank is its own step holding its own GPU, so it sees that GPU as cuda:0.
+            "LOCAL_RANK": str(sum(n == node for n, _ in trainers[:rank]) if not gpus else 0),
             "MASTER_ADDR": master,
             "MASTER_PORT": str(master_port),
         }
@@ -154,4 +154,6 @@ def _cpu_split(cfg, nodes):
         inf_nodes, train_nodes = nodes[:n], nodes[n:]
     servers = cfg.rollout.n_servers
     inference = [(inf_nodes[k % len(inf_nodes)], 0) for k in range(servers)]
-    return inference, [(node, 0) for node in train_nodes]
+    # trainer.parallel.dp ranks, spread over the training nodes in turn.
+    ranks = cfg.trainer.parallel.dp
+    return inference, [(train_nodes[r % len(train_nodes)], 0) for r in range(ranks)]

@@ -4,8 +4,10 @@ batch of B*G trajectories
   1) proximal log-probs: one no-grad forward with the weights at the start of the step
   2) advantages: final reward, normalised over the batch (or per prompt group)
   3) for each of ppo.n_minibatches minibatches, in order:
-       dynamic micro-batches -> decoupled PPO loss / valid tokens of the minibatch
-       -> backward -> one optimizer step
+       this rank's token-balanced share (all of it without data parallelism)
+       -> dynamic micro-batches, as many on every rank
+       -> decoupled PPO loss / valid tokens of the whole minibatch on all ranks
+       -> backward -> gradients summed over ranks -> clip -> one optimizer step
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from areal.trainer.batching import allocate_micro_batches
+from areal.trainer.parallel import DataParallel
 from areal.trainer.ppo import behaviour_weight_mask, compute_advantages, decoupled_ppo_loss
 from areal.trajectory import Trajectory
 
@@ -35,18 +38,19 @@ def _token_tensors(trajs: Sequence[Trajectory], advantages: torch.Tensor):
 
 
 _TOKEN_MEANS = ("loss/clipfrac", "loss/approx_kl", "loss/behav_weight_mean")
+_COUNTS = ("loss/n_valid_tokens", "loss/n_capped_tokens", "loss/behav_weight_max")
 
 
 def _accumulate(stats: dict[str, float], mb_stats: dict[str, float]) -> None:
-    """Merge micro-batch statistics: token-weighted means, summed counts, overall max."""
+    """Merge micro-batch statistics: token-weighted sums, summed counts, overall max."""
     n = mb_stats["loss/n_valid_tokens"]
     for k, v in mb_stats.items():
         if k in _TOKEN_MEANS:
-            stats[k] = stats.get(k, 0.0) + v * n
+            stats[k] += v * n
         elif k.endswith("_max"):
-            stats[k] = max(stats.get(k, v), v)
+            stats[k] = max(stats[k], v)
         else:
-            stats[k] = stats.get(k, 0.0) + v
+            stats[k] += v
 
 
 def _micro_batches(seqs, idx: list[int], max_tokens_per_mb: int, min_n_mbs: int):
@@ -67,6 +71,22 @@ def proximal_logprobs(backend, seqs, max_tokens_per_mb: int) -> list[torch.Tenso
     return result
 
 
+def _equal_micro_batches(seqs, share: list[int], spec: tuple[int, int], dp) -> list[list[int]]:
+    """Dynamic micro-batches of this rank's share, as many on every rank.
+
+    Ranks with fewer micro-batches split theirs up to the largest count (min_n_mbs); a
+    rank with too few sequences for that pads with empty ones, which run nothing and add
+    nothing, so the collectives of all ranks stay in step.
+    """
+    max_tokens_per_mb, min_n_mbs = spec
+    mbs = _micro_batches(seqs, share, max_tokens_per_mb, min_n_mbs)
+    (n_mbs,) = dp.all_reduce([len(mbs)], "max")
+    if len(mbs) < n_mbs:
+        mbs = _micro_batches(seqs, share, max_tokens_per_mb, int(n_mbs))
+        mbs += [[] for _ in range(int(n_mbs) - len(mbs))]
+    return mbs
+
+
 def train_step(
     backend,
     trajs: Sequence[Trajectory],
@@ -79,40 +99,60 @@ def train_step(
     max_tokens_per_mb: int,
     min_n_mbs: int = 1,
     seed: int = 0,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
+    """One PPO training step on the whole batch; with dp, on this rank's share of it.
+
+    Every rank passes the same batch. The returned statistics are of the whole batch and
+    the same on every rank.
+    """
+    dp = dp or DataParallel()
     seqs = [t.prompt_ids + t.output_ids for t in trajs]
+    seqlens = [len(s) for s in seqs]
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     group_ids = torch.tensor([t.group_id for t in trajs]) if adv_norm == "group" else None
-    advantages = compute_advantages(rewards, group_ids)
+    advantages = compute_advantages(rewards, group_ids)  # over the whole batch, on every rank
     tokens = _token_tensors(trajs, advantages)
 
-    # 1) proximal policy = the weights before this step's first update. Naive PPO uses
-    #    the behaviour policy in its place.
-    if use_decoupled_loss:
-        prox = proximal_logprobs(backend, seqs, max_tokens_per_mb)
-    else:
-        prox = [t["behav"] for t in tokens]
-    for t, p in zip(tokens, prox, strict=True):
-        t["prox"] = torch.where(t["mask"].bool(), p, torch.zeros_like(p))
-
-    # 2) sequential minibatch updates over a fixed shuffle of the batch
+    # Minibatches over a fixed shuffle of the batch; each rank takes a token-balanced share.
     order = list(range(len(trajs)))
     random.Random(seed).shuffle(order)
-    stats: dict[str, float] = {}
+    minibatches = [order[k::n_minibatches] for k in range(n_minibatches)]
+    shares = [dp.share(mb, seqlens) for mb in minibatches]
+    mine = sorted({i for share in shares for i in share})
+
+    # 1) proximal policy = the weights before this step's first update, for this rank's
+    #    sequences only. Naive PPO uses the behaviour policy in its place.
+    if use_decoupled_loss:
+        prox = proximal_logprobs(backend, [seqs[i] for i in mine], max_tokens_per_mb)
+        for i, p in zip(mine, prox, strict=True):
+            tokens[i]["prox"] = p
+    else:
+        for i in mine:
+            tokens[i]["prox"] = tokens[i]["behav"]
+    for i in mine:
+        t = tokens[i]
+        t["prox"] = torch.where(t["mask"].bool(), t["prox"], torch.zeros_like(t["prox"]))
+
+    # 2) sequential minibatch updates
+    stats = dict.fromkeys(("loss/ppo", *_TOKEN_MEANS, *_COUNTS), 0.0)
     grad_norms = []
-    for mb_idx in range(n_minibatches):
-        minibatch = order[mb_idx::n_minibatches]
+    for minibatch, share in zip(minibatches, shares, strict=True):
         if not minibatch:
             continue
-        n_valid = sum(
+        # The normaliser: valid tokens of the whole minibatch, over all ranks.
+        n_local = sum(
             behaviour_weight_mask(
                 tokens[i]["prox"], tokens[i]["behav"], tokens[i]["mask"], behav_imp_weight_cap
             )
             .sum()
             .item()
-            for i in minibatch
+            for i in share
         )
-        for mb in _micro_batches(seqs, minibatch, max_tokens_per_mb, min_n_mbs):
+        (n_valid,) = dp.all_reduce([n_local], "sum")
+        for mb in _equal_micro_batches(seqs, share, (max_tokens_per_mb, min_n_mbs), dp):
+            if not mb:
+                continue
             logprobs = backend.logprobs([seqs[i] for i in mb])
             cat = {
                 k: torch.cat([tokens[i][k] for i in mb]).to(logprobs.device)
@@ -130,13 +170,16 @@ def train_step(
             )
             loss.backward()
             _accumulate(stats, mb_stats)
-            stats["loss/ppo"] = stats.get("loss/ppo", 0.0) + loss.item() / n_minibatches
+            stats["loss/ppo"] += loss.item() / n_minibatches
+        # Clipping and the step come after the sum over ranks: every rank applies the same
+        # update to the same weights.
+        dp.all_reduce_grads(backend.model.parameters())
         grad_norms.append(backend.optimizer_step())
 
-    n_tok = max(stats.get("loss/n_valid_tokens", 0.0), 1.0)
+    stats = dp.reduce_stats(stats)
+    n_tok = max(stats["loss/n_valid_tokens"], 1.0)
     for k in _TOKEN_MEANS:
-        if k in stats:
-            stats[k] /= n_tok
+        stats[k] /= n_tok
     stats["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
     stats["reward/mean"] = rewards.mean().item()
     stats["train/n_tokens"] = float(sum(len(t.output_ids) for t in trajs))

@@ -1,11 +1,13 @@
 """The trainer worker: batch in, PPO update, weights out, one line of metrics.
 
-    controller --get_batch(i)--> trainer: proximal log-probs, advantages, minibatch updates
-    trainer --weights/v(i+1)/ + weights_ready(i+1)--> controller
+    controller --get_batch(i)--> trainer rank 0 --broadcast--> ranks 1..dp-1
+    every rank: proximal log-probs, advantages, minibatch updates on its share
+    rank 0 --weights/v(i+1)/ + weights_ready(i+1)--> controller
 
 | waits for                         | unblocked by                                    |
 |-----------------------------------|-------------------------------------------------|
-| get_batch(i)                      | the buffer holding a batch allowed at version i |
+| get_batch(i) (rank 0)             | the buffer holding a batch allowed at version i |
+| the batch's broadcast (ranks > 0) | rank 0 receiving it                             |
 
 It never waits for the inference servers: they load each version while it trains on.
 """
@@ -22,13 +24,14 @@ from areal import checkpoint
 from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_trainer_state
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
+from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory
 from areal.weights import publish
 
 
-def make_backend(cfg, model_dir):
+def make_backend(cfg, model_dir, device: torch.device | None = None):
     if cfg.trainer.backend != "torch":
         raise ValueError(f"trainer.backend={cfg.trainer.backend!r} is not available yet; use torch")
     t = cfg.trainer
@@ -43,6 +46,7 @@ def make_backend(cfg, model_dir):
         warmup_steps=int(t.warmup_steps_ratio * n_updates),
         dtype=cfg.model.dtype,
         temperature=cfg.rollout.temperature,
+        device=str(device) if device is not None and device.type == "cuda" else None,
     )
 
 
@@ -70,15 +74,40 @@ def save_checkpoint(cfg, backend, controller: SyncRpcClient, version: int) -> No
     checkpoint.save(cfg.exp_dir, version, write)
 
 
-def run_trainer(cfg, key: bytes) -> None:
+def run_trainer(cfg, key: bytes, index: int = 0) -> None:
+    """One trainer rank; `index` is its rank in the trainer world (0 without parallelism)."""
+    par = cfg.trainer.parallel
+    dp = init_data_parallel(par.dp, index, par.timeout_s)
+    try:
+        _train(cfg, key, dp)
+    finally:
+        dp.close()
+
+
+def _get_batch(controller: SyncRpcClient | None, version: int, dp: DataParallel) -> dict:
+    """Rank 0 asks the controller; the other ranks receive rank 0's copy of the reply."""
+    reply = controller.call("get_batch", version=version) if dp.is_main else None
+    return dp.broadcast_object(reply)
+
+
+def _train(cfg, key: bytes, dp: DataParallel) -> None:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
+    # Every rank loads the same weights and optimizer state, so that identical summed
+    # gradients keep them identical; rank 0 alone writes them back.
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
-    backend = make_backend(cfg, resume_from.model_dir if resume_from else cfg.model.path)
+    backend = make_backend(cfg, resume_from.model_dir if resume_from else cfg.model.path, dp.device)
     version = 0
     if resume_from:
         backend.load_state_dict(load_trainer_state(resume_from.path))
         version = resume_from.version
+    if not dp.is_main:
+        for step in range(version, cfg.total_train_steps):
+            trajs = [Trajectory.from_wire(d) for d in _get_batch(None, version, dp)["trajectories"]]
+            train_step(backend, trajs, dp=dp, **_step_args(cfg, step))
+            version += 1
+        dp.barrier()  # rank 0 may still be writing the last checkpoint
+        return
     wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
     controller = SyncRpcClient(Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s), key)
     metrics_path = cfg.exp_dir / "metrics.jsonl"
@@ -86,21 +115,10 @@ def run_trainer(cfg, key: bytes) -> None:
     t_start = t_last - last_time(metrics_path)  # a resumed run's clock goes on
     with open(metrics_path, "a") as metrics:
         for step in range(version, cfg.total_train_steps):
-            reply = controller.call("get_batch", version=version)
+            reply = _get_batch(controller, version, dp)
             trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
             t_batch = time.time()
-            stats = train_step(
-                backend,
-                trajs,
-                eps_clip=cfg.ppo.eps_clip,
-                use_decoupled_loss=cfg.ppo.use_decoupled_loss,
-                behav_imp_weight_cap=cfg.ppo.behav_imp_weight_cap,
-                n_minibatches=cfg.ppo.n_minibatches,
-                adv_norm=cfg.ppo.adv_norm,
-                max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,
-                min_n_mbs=cfg.trainer.mb_spec.min_n_mbs,
-                seed=cfg.seed + step,
-            )
+            stats = train_step(backend, trajs, dp=dp, **_step_args(cfg, step))
             t_train = time.time() - t_batch
             stale = staleness(trajs, version)
             version += 1
@@ -117,6 +135,7 @@ def run_trainer(cfg, key: bytes) -> None:
                 "throughput/train_tokens_per_s": stats["train/n_tokens"] / (now - t_last),
                 "time/train_s": t_train,
                 "time/wait_batch_s": t_batch - t_last,
+                "trainer/dp": dp.world_size,
                 **stats,
                 **reply["stats"],
             }
@@ -126,4 +145,18 @@ def run_trainer(cfg, key: bytes) -> None:
             freq = cfg.trainer.save_freq_steps
             if version == cfg.total_train_steps or (freq and version % freq == 0):
                 save_checkpoint(cfg, backend, controller, version)
+    dp.barrier()
     controller.close()
+
+
+def _step_args(cfg, step: int) -> dict:
+    return dict(
+        eps_clip=cfg.ppo.eps_clip,
+        use_decoupled_loss=cfg.ppo.use_decoupled_loss,
+        behav_imp_weight_cap=cfg.ppo.behav_imp_weight_cap,
+        n_minibatches=cfg.ppo.n_minibatches,
+        adv_norm=cfg.ppo.adv_norm,
+        max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,
+        min_n_mbs=cfg.trainer.mb_spec.min_n_mbs,
+        seed=cfg.seed + step,  # the same shuffle on every rank
+    )

@@ -161,7 +161,9 @@ def test_packed_logprobs_carry_gradients(model_dir, trajectories) -> None:
 
 @pytest.mark.parametrize("variant", ["own", "perturbed"])
 @pytest.mark.parametrize(
-    ("budget", "min_n_mbs"), [(SMALL_BUDGET, 1), (BIG_BUDGET, 4)], ids=["small-budget", "min-mbs"]
+    ("budget", "min_n_mbs"),
+    [(SMALL_BUDGET, 1), (BIG_BUDGET, 4), (BIG_BUDGET, len(REWARDS))],
+    ids=["small-budget", "min-mbs", "one-by-one"],
 )
 def test_one_micro_batch_equals_many(model_dir, trajectories, variant, budget, min_n_mbs) -> None:
     trajs = trajectories[variant]
@@ -176,6 +178,8 @@ def test_one_micro_batch_equals_many(model_dir, trajectories, variant, budget, m
     # the update really was cut differently: 1 vs >= 3 forwards with gradients
     assert len(one.calls) == 1 + 1  # proximal forward + one micro-batch
     assert len(many.calls) >= 1 + 3
+    if min_n_mbs == len(trajs):  # packed or not at all: every sequence ran alone
+        assert all(len(call) == 1 for call in many.calls[1:])
     assert_same_update(one, many)
     for key in ("loss/ppo", "loss/clipfrac", "loss/approx_kl", "loss/behav_weight_mean"):
         assert s_one[key] == pytest.approx(s_many[key], abs=1e-6)
