@@ -222,10 +222,6 @@ def test_resume_after_a_crash(tmp_path):
     assert [m["step"] for m in metrics] == list(range(1, 11))
     assert [m["version"] for m in metrics] == list(range(1, 11))
     assert all(m["staleness/max"] <= 4 for m in metrics)
-    # Asynchrony at work: stale samples, updates interrupting generation mid-sample.
-    assert max(m["staleness/max"] for m in metrics) >= 2
-    assert sum(m["rollout/interrupted"] for m in metrics) > 0
-    assert sum(m["rollout/multi_version_samples"] for m in metrics) > 0
     assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == ["v000010"]
     # Nothing left to do: a second resume exits at once.
     again = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)
