@@ -159,4 +159,5 @@ def _step_args(cfg, step: int) -> dict:
         max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,
         min_n_mbs=cfg.trainer.mb_spec.min_n_mbs,
         seed=cfg.seed + step,  # the same shuffle on every rank
+        version=step,  # the trainer's version before step `step` is step
     )

@@ -341,3 +341,28 @@ def test_cap_counts_tokens_whose_behaviour_weight_exceeds_it(model_dir, trajecto
     assert stats["loss/n_capped_tokens"] == n_capped
     assert stats["loss/n_valid_tokens"] == len(weights) - n_capped
     assert stats["loss/behav_weight_max"] <= cap
+
+
+# ---------------------------------------------------------------- fresh tokens' check
+
+
+def test_fresh_tokens_check_finds_log_probs_the_current_weights_do_not_give(
+    model_dir, trajectories
+):
+    """Tokens tagged with the trainer's version: behaviour = proximal log-prob, else a gap."""
+    own, perturbed = trajectories["own"], trajectories["perturbed"]
+    # Version 3 is the trainer's: own log-probs are what its weights give, exactly.
+    fresh = [
+        Trajectory(**{**vars(t), "versions": [3] * len(t.output_ids)}) for t in own[:4]
+    ] + perturbed[4:]  # versions 0: stale, perturbed log-probs are not checked
+    _, stats = run_step(model_dir, fresh, version=3)
+    assert stats["train/fresh_tokens"] == sum(len(t.output_ids) for t in own[:4])
+    assert stats["train/fresh_logprob_diff_max"] < 1e-5
+    # The same tokens with perturbed log-probs: the gap is the largest perturbation.
+    tagged = [Trajectory(**{**vars(t), "versions": [3] * len(t.output_ids)}) for t in perturbed[:4]]
+    _, stats = run_step(model_dir, tagged + perturbed[4:], version=3)
+    largest = max(n.abs().max().item() for n in trajectories["noise"][:4])
+    assert stats["train/fresh_logprob_diff_max"] == pytest.approx(largest, abs=1e-4)
+    # Without the trainer's version there is nothing to check.
+    _, stats = run_step(model_dir, fresh)
+    assert "train/fresh_tokens" not in stats
