@@ -12,15 +12,11 @@ with --repeats > 1, medians.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tiny_run import train_tiny
 
 
 def time_to_target(metrics: list[dict], target: float, window: int = 10) -> float:
@@ -31,20 +27,7 @@ def time_to_target(metrics: list[dict], target: float, window: int = 10) -> floa
 
 
 def run(fileroot: str, name: str, steps: int, target: float, overrides: list[str]) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal.train",
-        "--config",
-        str(ROOT / "configs/tiny.yaml"),
-        f"fileroot={fileroot}",
-        f"trial_name={name}",
-        f"total_train_steps={steps}",
-        *overrides,
-    ]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    lines = (Path(fileroot) / "tiny" / name / "metrics.jsonl").read_text().splitlines()
-    m = [json.loads(line) for line in lines]
+    m = train_tiny(fileroot, name, steps, overrides)
     warm = len(m) // 5
     tokens = sum(x["train/n_tokens"] for x in m[warm + 1 :])
     seconds = m[-1]["time"] - m[warm]["time"]

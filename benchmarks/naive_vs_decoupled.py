@@ -14,33 +14,16 @@ run per seed and variant, medians.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tiny_run import train_tiny
+
 VARIANTS = {"naive": "ppo.use_decoupled_loss=false", "decoupled": "ppo.use_decoupled_loss=true"}
 
 
 def run(fileroot: str, name: str, steps: int, last: int, eta: int, overrides: list[str]) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal.train",
-        "--config",
-        str(ROOT / "configs/tiny.yaml"),
-        f"fileroot={fileroot}",
-        f"trial_name={name}",
-        f"total_train_steps={steps}",
-        f"max_staleness={eta}",
-        *overrides,
-    ]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    lines = (Path(fileroot) / "tiny" / name / "metrics.jsonl").read_text().splitlines()
-    m = [json.loads(line) for line in lines]
+    m = train_tiny(fileroot, name, steps, [f"max_staleness={eta}", *overrides])
     return {
         "first_reward": statistics.mean(x["reward/mean"] for x in m[:last]),
         "final_reward": statistics.mean(x["reward/mean"] for x in m[-last:]),
