@@ -404,6 +404,14 @@ class DecodeEngine:
     @torch.inference_mode()
     def _step(self, batch: list[_Request]) -> tuple[list[int], list[float]]:
         seqs = [req.prompt_ids + req.output_ids for req in batch]
+        rows: list[torch.Tensor | None] = [None] * len(seqs)
+        for bucket in length_buckets([len(s) for s in seqs]):
+            for i, row in zip(bucket, self._last_logits([seqs[i] for i in bucket]), strict=True):
+                rows[i] = row
+        return sample(torch.stack(rows).float(), batch, self._generator)  # logits [B, V]
+
+    def _last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Logits at the last position of each sequence, from one right-padded forward."""
         lengths = torch.tensor([len(s) for s in seqs], device=self.device)
         ids = torch.full((len(seqs), int(lengths.max())), self._pad_id, device=self.device)
         for row, seq in enumerate(seqs):
@@ -412,8 +420,7 @@ class DecodeEngine:
         last = lengths - 1
         keep = torch.unique(last)
         logits = self.model(input_ids=ids, logits_to_keep=keep).logits
-        logits = logits[torch.arange(len(seqs)), torch.searchsorted(keep, last)]  # [B, V]
-        return sample(logits.float(), batch, self._generator)
+        return logits[torch.arange(len(seqs)), torch.searchsorted(keep, last)]  # [B, V]
 
     def _append_locked(self, req: _Request, token: int, lp: float, out: list[_Request]) -> None:
         req.output_ids.append(token)
@@ -460,6 +467,26 @@ class DecodeEngine:
 
 # A stop string is searched in the decoded tail of this many tokens (SGLang does the same).
 _STOP_TAIL_TOKENS = 64
+
+
+def length_buckets(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Indices grouped by similar length, longest first, each group padded by at most
+    max_padding of its cells. Without a KV cache a step recomputes every sequence, and one
+    padded forward costs rows x longest: a few short sequences beside a long one would pay
+    the long one's length (long-tailed outputs make that the usual case)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    total = 0
+    for i in order:
+        if buckets:
+            longest = lengths[buckets[-1][0]]
+            if (len(buckets[-1]) + 1) * longest * (1 - max_padding) <= total + lengths[i]:
+                buckets[-1].append(i)
+                total += lengths[i]
+                continue
+        buckets.append([i])
+        total = lengths[i]
+    return buckets
 
 
 def sample(
