@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,21 +109,6 @@ async def sample_and_grade(args, rows: list[dict], url: str) -> list[list[bool]]
         service.close()
 
 
-def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
-    from areal.launcher.local import free_port
-    from areal.process import die_with_parent
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "areal.rollout.server", "--model", args.model, "--port", str(port)]
-    cmd += ["--seed", str(args.seed), "--num-threads", str(args.num_threads)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
-    return proc, f"http://127.0.0.1:{port}"
-
-
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(prog="python -m areal.eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model directory (tokenizer; and served)")
@@ -176,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     url = args.server_url
     if url is None:
         log_path = output.with_suffix(".server.log")
-        args.server_proc, url = start_server(args, log_path)
+        from areal.rollout.launch import start_embedded_server
+
+        args.server_proc, url = start_embedded_server(
+            args.model, log_path, "--seed", str(args.seed), "--num-threads", str(args.num_threads)
+        )
         print(f"areal.eval: started the embedded server at {url} (log {log_path})")
     t0 = time.time()
     try:

@@ -21,14 +21,12 @@ import asyncio
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from areal.comm.net import free_port
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
+from areal.rollout.launch import start_embedded_server
 from areal.rollout.worker import RolloutWorker
 
 
@@ -106,16 +104,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         v0 = make_tiny_model(Path(root) / "v0", warmup_steps=0)
         versions = [v0, Path(shutil.copytree(v0, Path(root) / "v1"))]
-        port = free_port()
-        server = subprocess.Popen(
-            [sys.executable, "-m", "areal.rollout.server", "--model", str(v0)]
-            + ["--port", str(port), "--num-threads", str(args.num_threads)]
-            + ["--max-batch-size", str(args.concurrency)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        server, url = start_embedded_server(
+            v0, Path(root) / "server.log", "--num-threads", str(args.num_threads),
+            "--max-batch-size", str(args.concurrency),
+        )  # fmt: skip
         try:
-            url = f"http://127.0.0.1:{port}"
 
             async def go():
                 from areal.rollout.client import SGLangClient

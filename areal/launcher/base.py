@@ -12,6 +12,7 @@ Ctrl-C stop everything too.
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import signal
@@ -73,7 +74,7 @@ def _raise_terminated(signum, frame):
     raise _Terminated
 
 
-class Launcher:
+class Launcher(abc.ABC):
     def __init__(self, cfg, plan: Plan):
         self.cfg = cfg
         self.plan = plan
@@ -81,9 +82,9 @@ class Launcher:
         self.log_dir = self.exp_dir / "logs"
         self.procs: list[Proc] = []
 
+    @abc.abstractmethod
     def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
         """The command line that runs `cmd` for `step`, and its extra environment."""
-        raise NotImplementedError
 
     def exit_reason(self, rc: int) -> str:
         return exit_reason(rc)

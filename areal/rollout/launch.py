@@ -12,7 +12,9 @@ directly. The rollout worker waits for /health, so registering before listening 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 from areal.comm import net
 from areal.comm.registry import Registry
@@ -53,3 +55,22 @@ def exec_server(cfg, k: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(cmd[0], cmd)
+
+
+def start_embedded_server(
+    model: str | Path, log_path: Path, *args: str
+) -> tuple[subprocess.Popen, str]:
+    """The embedded server on a free loopback port, as a child that dies with this process
+    (eval, benchmarks, tests); returns the process and its URL. Poll /health to know it
+    is ready."""
+    from areal.process import die_with_parent
+
+    port = net.free_port("127.0.0.1")
+    cmd = [sys.executable, "-m", "areal.rollout.server", "--model", str(model)]
+    cmd += ["--port", str(port), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}"

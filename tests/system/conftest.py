@@ -6,36 +6,30 @@ import contextlib
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from areal.comm.net import free_port
+from areal.rollout.launch import start_embedded_server
 
-READY = "areal embedded server ready at http://127.0.0.1:{port}"
+READY = "areal embedded server ready at {url}"
 
 
 @contextlib.contextmanager
 def embedded_server(model_dir: Path, log_path: Path, *extra: str):
     """Yields the URL of a ready server; on exit, asserts it stopped cleanly on SIGTERM."""
-    port = free_port()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "areal.rollout.server", "--model", str(model_dir)]
-            + ["--port", str(port), "--weight-version", "0", "--seed", "1", *extra],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    proc, url = start_embedded_server(
+        model_dir, log_path, "--weight-version", "0", "--seed", "1", *extra
+    )
     try:
         deadline = time.monotonic() + 90
-        while READY.format(port=port) not in log_path.read_text():
+        while READY.format(url=url) not in log_path.read_text():
             assert proc.poll() is None, f"server died:\n{log_path.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"server not ready:\n{log_path.read_text()}"
             time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

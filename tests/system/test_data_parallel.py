@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import areal.trainer.step as step_mod
 from areal.comm import wire
-from areal.launcher.local import free_port
+from areal.comm.net import free_port
 from areal.models.tiny import make_tiny_model
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
@@ -108,7 +108,8 @@ class Recorder:
         step_mod._equal_micro_batches = equal  # callers restore it (monkeypatch)
 
 
-def _rank_main(rank: int, model_dir: str, batch_file: str, out_dir: str, port: int) -> None:
+def _join_env(rank: int, port: int) -> None:
+    """What a launcher sets for rank `rank` of a two-rank world on loopback."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE="2",
@@ -116,6 +117,10 @@ def _rank_main(rank: int, model_dir: str, batch_file: str, out_dir: str, port: i
         MASTER_PORT=str(port),
         GLOO_SOCKET_IFNAME="lo",
     )
+
+
+def _rank_main(rank: int, model_dir: str, batch_file: str, out_dir: str, port: int) -> None:
+    _join_env(rank, port)
     torch.set_num_threads(1)
     dp = init_data_parallel(2, rank, timeout_s=60)
     try:
@@ -190,13 +195,7 @@ def test_two_gloo_ranks_equal_one_rank(model_dir, tmp_path, monkeypatch):
 
 
 def _dead_peer_main(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
+    _join_env(rank, port)
     dp = init_data_parallel(2, rank, timeout_s=10)
     if rank == 1:
         os._exit(0)  # dies without a word, as a killed rank would
