@@ -166,11 +166,22 @@ class InferenceConfig(_Section):
     """Seconds to wait for a server to become healthy."""
     tp_size: int = 1
     """GPUs of one inference server (tensor parallel); on a GPU cluster, servers = inference GPUs / tp_size."""  # noqa: E501
+    max_restarts: int = 3
+    """Times the launcher restarts a dead server before it stops the run; 0 = never."""
+    update_timeout_s: float = 600.0
+    """Seconds one server may take to load a weight version before the attempt is retried."""
+    update_retries: int = 3
+    """Attempts at loading a version before the server counts as down (and is recovered)."""
 
     def __post_init__(self) -> None:
         self._check_types()
         self._one_of("backend", ("embedded", "sglang"))
-        self._positive("max_batch_size", "num_threads", "startup_timeout_s", "tp_size")
+        self._positive(
+            "max_batch_size", "num_threads", "startup_timeout_s", "tp_size",
+            "update_timeout_s", "update_retries",
+        )  # fmt: skip
+        if self.max_restarts < 0:
+            self._fail("max_restarts", f"must be >= 0, got {self.max_restarts!r} (0 = never)")
 
 
 @dataclass(kw_only=True)

@@ -34,13 +34,22 @@ async def _rollout(cfg, index: int, key: bytes) -> None:
     from areal.rollout.worker import RolloutWorker
 
     registry = Registry(cfg.exp_dir)
-    url = registry.lookup("server", index, timeout=cfg.inference.startup_timeout_s)
-    worker = RolloutWorker(url, interruptible=cfg.rollout.interruptible)
+    timeout = cfg.inference.startup_timeout_s
+    url = registry.lookup("server", index, timeout=timeout)
+    worker = RolloutWorker(
+        url,
+        interruptible=cfg.rollout.interruptible,
+        # A restarted server registers its new URL here.
+        find_server=lambda: registry.lookup("server", index, timeout=timeout),
+        update_timeout_s=cfg.inference.update_timeout_s,
+        update_retries=cfg.inference.update_retries,
+    )
     await worker.client.wait_healthy(cfg.inference.startup_timeout_s)
     server = RpcServer(key)
     server.register("generate", worker.generate)
     server.register("update_weights", worker.update_weights)
     server.register("stats", worker.stats)
+    server.register("wait_ready", worker.wait_ready)
     registry.register("rollout", index, server.address)
     try:
         await _serve_until_stopped(server)

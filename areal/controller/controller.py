@@ -30,6 +30,7 @@ from areal.comm.registry import Registry
 from areal.comm.rpc import RpcClient, RpcServer
 from areal.comm.wire import pack, unpack
 from areal.controller.buffer import ReplayBuffer
+from areal.controller.router import Router
 from areal.controller.staleness import StalenessGate
 from areal.trajectory import Trajectory
 from areal.weights import retire_older_than
@@ -51,7 +52,9 @@ class Controller:
         )
         self.buffer = ReplayBuffer()
         self.changed = asyncio.Condition()
-        self._load = [0] * len(workers)  # groups in flight per worker
+        self.router = Router(len(workers))
+        self._watchers: dict[int, asyncio.Task] = {}  # dead server -> waiting for it to be back
+        self._resubmitted = 0  # samples resumed on another server, since the last step
         self._retry: list[dict] = []  # prompts whose group failed: generated again first
         self._rows_in_flight: dict[int, dict] = {}  # buffer index -> its prompt
         self._epoch = 0
@@ -103,18 +106,8 @@ class Controller:
             task.add_done_callback(tasks.discard)
 
     async def _rollout_group(self, index: int, row: dict, start_version: int) -> None:
-        k = min(range(len(self.workers)), key=lambda j: self._load[j])
-        self._load[k] += 1
         try:
-            wire = await self.workers[k].call(
-                "generate",
-                group_id=index,
-                prompt_ids=row["prompt_ids"],
-                n=self.cfg.rollout.group_size,
-                sampling_params=self.sampling,
-                start_version=start_version,
-            )
-            trajs = [Trajectory.from_wire(w) for w in wire]
+            trajs = await self._generate_group(index, row, start_version)
             texts = [self.tokenizer.decode(t.output_ids, skip_special_tokens=True) for t in trajs]
             rewards = await self.reward.call(
                 "grade", task=row["task"], responses=texts, answer=row["answer"]
@@ -129,8 +122,6 @@ class Controller:
                 self._retry.append(self._rows_in_flight.pop(index))
                 self.changed.notify_all()
             return
-        finally:
-            self._load[k] -= 1
         for t, r in zip(trajs, rewards, strict=True):
             t.reward = r
         async with self.changed:
@@ -140,6 +131,54 @@ class Controller:
             self.gate.on_rollout_accepted()
             self.buffer.put(index, trajs)
             self.changed.notify_all()
+
+    async def _generate_group(self, index: int, row: dict, start_version: int) -> list[Trajectory]:
+        """The group's G trajectories; samples a dead server left unfinished are resumed,
+        with their partial output, on another server."""
+        done: list[Trajectory] = []
+        partial: list[dict] | None = None  # None: nothing generated yet
+        k = None
+        while True:
+            async with self.changed:
+                await self.changed.wait_for(self.router.any_alive)
+                k = self.router.pick(preferred=k)
+                self.router.load[k] += 1
+            try:
+                wire = await self.workers[k].call(
+                    "generate",
+                    group_id=index,
+                    prompt_ids=row["prompt_ids"],
+                    n=self.cfg.rollout.group_size,
+                    sampling_params=self.sampling,
+                    start_version=start_version,
+                    partial=partial,
+                )
+            finally:
+                self.router.load[k] -= 1
+            trajs = [Trajectory.from_wire(w) for w in wire]
+            done += [t for t in trajs if t.finish_reason]
+            partial = [t.to_wire() for t in trajs if not t.finish_reason]
+            if not partial:
+                return done
+            self._server_down(k)
+            self._resubmitted += len(partial)
+
+    def _server_down(self, k: int) -> None:
+        """Route around server k until its worker says it serves again."""
+        self.router.mark_dead(k)
+        if k not in self._watchers:
+            log.warning("inference server %d is down; routing around it until it is back", k)
+            self._watchers[k] = asyncio.create_task(self._wait_back(k))
+
+    async def _wait_back(self, k: int) -> None:
+        try:
+            reply = await self.workers[k].call("wait_ready")
+        finally:
+            del self._watchers[k]
+        async with self.changed:
+            self.router.mark_alive(k, reply["version"])
+            self.changed.notify_all()
+        log.info("inference server %d is back at version %d", k, reply["version"])
 
     # ---- trainer-facing RPCs ---------------------------------------------------------
     async def get_batch(self, version: int) -> dict:
@@ -164,6 +203,7 @@ class Controller:
         now = time.time()
         elapsed, self._last_stats_time = now - self._last_stats_time, now
         tokens, self._tokens_generated = self._tokens_generated, 0
+        resubmitted, self._resubmitted = self._resubmitted, 0
         worker_stats = await asyncio.gather(*(w.call("stats") for w in self.workers))
         reward_stats = await self.reward.call("stats")
         return {
@@ -171,6 +211,8 @@ class Controller:
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/groups_in_flight": self.buffer.n_in_flight,
             "rollout/groups_ready": len(self.buffer),
+            "rollout/servers_alive": sum(self.router.alive),
+            "rollout/resubmitted": resubmitted,
             "reward/timeouts": reward_stats["timeouts"],
             "reward/errors": reward_stats["errors"],
         }
@@ -210,13 +252,19 @@ class Controller:
 
     async def _update_weights(self, version: int, path: str) -> None:
         async with self._update_lock:  # versions are loaded in order
-            await asyncio.gather(
+            replies = await asyncio.gather(
                 *(w.call("update_weights", version=version, path=path) for w in self.workers)
             )
             async with self.changed:
+                for k, reply in enumerate(replies):
+                    if reply["loaded"]:
+                        self.router.version[k] = reply["version"]
+                    else:  # down: it loads the newest version before it serves again
+                        self._server_down(k)
                 self.gate.on_version(version)
                 self.changed.notify_all()
-            # Every server acknowledged `version`: older directories are no longer needed.
+            # Every server serving holds `version`, and one that comes back loads the newest
+            # first: older directories are no longer needed.
             retire_older_than(self.cfg.exp_dir, version)
 
 

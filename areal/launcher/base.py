@@ -5,9 +5,11 @@
 
 A launcher differs only in `command` (how a step's command line is run: directly, or
 wrapped in srun). The run succeeds when every trainer rank exits 0 (after the last
-checkpoint); the other roles are services, stopped then. Any other exit of any step stops
-everything and names the role with the tail of its log. SIGTERM (scancel, kill) and
-Ctrl-C stop everything too.
+checkpoint); the other roles are services, stopped then. A dead inference server is
+restarted in its place, up to inference.max_restarts times (its rollout worker routes
+around it meanwhile and reloads the latest weights into it). Any other exit of any step
+stops everything and names the role with the tail of its log. SIGTERM (scancel, kill)
+and Ctrl-C stop everything too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Proc:
     step: Step
     popen: subprocess.Popen
     log: Path
+    restarts: int = 0
 
     @property
     def name(self) -> str:
@@ -89,10 +92,10 @@ class Launcher(abc.ABC):
     def exit_reason(self, rc: int) -> str:
         return exit_reason(rc)
 
-    def start(self, step: Step) -> None:
+    def start(self, step: Step, restarts: int = 0) -> Proc:
         log = self.log_dir / f"{step.name}.log"
         cmd, env = self.command(step, worker_command(self.exp_dir, step))
-        with open(log, "w") as f:
+        with open(log, "a" if restarts else "w") as f:  # a restart keeps the earlier log
             popen = subprocess.Popen(
                 cmd,
                 stdout=f,
@@ -103,7 +106,18 @@ class Launcher(abc.ABC):
                 preexec_fn=die_with_parent,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **step.env, **env},
             )
-        self.procs.append(Proc(step, popen, log))
+        return Proc(step, popen, log, restarts)
+
+    def restart_server(self, i: int, rc: int) -> None:
+        p = self.procs[i]
+        print(
+            f"\nareal: role {p.name} {self.exit_reason(rc)}; restarting it "
+            f"({p.restarts + 1}/{self.cfg.inference.max_restarts}). Last lines of {p.log}:\n"
+            f"{tail(p.log, self.cfg.launcher.log_tail_lines)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.procs[i] = self.start(p.step, p.restarts + 1)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         for p in self.procs:
@@ -132,13 +146,16 @@ class Launcher(abc.ABC):
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             for step in self.plan.steps:
-                self.start(step)
+                self.procs.append(self.start(step))
             trainers = [p for p in self.procs if p.step.role == "trainer"]
             while True:
                 progress.poll()
-                for p in self.procs:
+                for i, p in enumerate(self.procs):
                     rc = p.popen.poll()
                     if rc is None or (rc == 0 and p.step.role == "trainer"):
+                        continue
+                    if p.step.role == "server" and p.restarts < self.cfg.inference.max_restarts:
+                        self.restart_server(i, rc)
                         continue
                     progress.close()
                     print(

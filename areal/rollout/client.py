@@ -16,6 +16,7 @@ output, which the worker resumes.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 from dataclasses import dataclass
@@ -24,6 +25,11 @@ from typing import Any
 import aiohttp
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerDied(ConnectionError):
+    """The server cannot be reached (refused, reset, closed mid-answer): it is down, as
+    opposed to answering with an error or a malformed body."""
 
 
 @dataclass(kw_only=True)
@@ -233,15 +239,19 @@ class SGLangClient:
     ) -> Any:
         """JSON (or text) of the answer; RuntimeError with the server's message otherwise."""
         session = await self._get_session()
-        async with session.request(method, self.base_url + path, json=body) as resp:
-            raw = await resp.read()
-            try:
-                content: Any = await resp.json(content_type=None) if raw.strip() else None
-            except ValueError:
-                content = raw.decode(errors="replace")
-            if resp.status not in ok_statuses:
-                raise RuntimeError(
-                    f"{method} {self.base_url}{path} returned HTTP {resp.status}: "
-                    f"{error_message(content)}"
-                )
-            return content
+        try:
+            async with session.request(method, self.base_url + path, json=body) as resp:
+                status, raw = resp.status, await resp.read()
+        except aiohttp.ClientConnectionError as e:
+            raise ServerDied(
+                f"{method} {self.base_url}{path}: the server is unreachable ({e})"
+            ) from e
+        try:
+            content: Any = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            content = raw.decode(errors="replace")
+        if status not in ok_statuses:
+            raise RuntimeError(
+                f"{method} {self.base_url}{path} returned HTTP {status}: {error_message(content)}"
+            )
+        return content

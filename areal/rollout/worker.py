@@ -3,18 +3,26 @@
     controller --generate(group)--------> worker --POST /generate x G--> inference server
                <--- G trajectories ------        <-- output | abort (weight update) --
     controller --update_weights(v, dir)-> worker --pause / update_weights_from_disk / continue
+    controller --wait_ready------------->  (answers once a dead server is back, on the latest v)
 
 | loop              | waits for                      | unblocked by                          |
 |-------------------|--------------------------------|---------------------------------------|
 | one sample        | the server's /generate answer  | finish (stop/length) or an abort      |
 | resumed sample    | the server to continue         | the weight update finishing           |
 | weight update     | the server to pause and load   | /update_weights_from_disk answering   |
+| recovery          | the restarted server's /health | the launcher restarting the server    |
 
 Interruptible (the paper): an update aborts in-flight generations; each comes back with its
 partial output, and is resubmitted as prompt + partial output, which the paused server
 holds until it has loaded the new weights. Its tokens keep the behaviour log-prob and the
 version of the weights that produced them. Non-interruptible (the paper's ablation): the
 update stops new submissions and waits for the in-flight ones to finish.
+
+A dead server (unreachable, or refusing weights after every retry) is marked down: its
+samples come back unfinished (finish_reason "") with their partial output, for the
+controller to resume on another server, and new ones are refused the same way until the
+recovery loop sees the server healthy again (the launcher restarts it, possibly on a new
+port: `find_server` looks it up) and has loaded the latest version into it.
 """
 
 from __future__ import annotations
@@ -23,27 +31,51 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
-from areal.rollout.client import SGLangClient
+from areal.rollout.client import ServerDied, SGLangClient
 from areal.trajectory import Trajectory
 
 log = logging.getLogger("areal.rollout")
 
 _MAX_RESUMES = 1000  # an abort loop this long means something other than updates aborts us
+_RECOVERY_POLL_S = 0.5
+
+
+class ServerDown(Exception):
+    """The server is down: the current sample goes back unfinished."""
 
 
 class RolloutWorker:
-    def __init__(self, server_url: str, *, interruptible: bool = True):
+    def __init__(
+        self,
+        server_url: str,
+        *,
+        interruptible: bool = True,
+        find_server: Callable[[], str] | None = None,
+        update_timeout_s: float = 600.0,
+        update_retries: int = 3,
+    ):
         self.client = SGLangClient(server_url)
         self.interruptible = interruptible
+        self.find_server = find_server or (lambda: server_url)
+        """The server's current URL (a restarted server may listen on another port)."""
+        self.update_timeout_s = update_timeout_s
+        self.update_retries = update_retries
         self.version = 0
+        """The version the server holds."""
+        self._latest: tuple[int, str] | None = None  # the newest (version, path) asked for
         self.n_interrupted = 0
         """Requests interrupted by weight updates since the last stats() call."""
+        self.n_server_deaths = 0
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._open = asyncio.Event()  # cleared while a non-interruptible update waits
         self._open.set()
+        self._alive = asyncio.Event()  # cleared while the server is down
+        self._alive.set()
+        self._recovery: asyncio.Task | None = None
         self._update_lock = asyncio.Lock()
 
     async def generate(
@@ -53,37 +85,41 @@ class RolloutWorker:
         n: int,
         sampling_params: dict,
         start_version: int,
+        partial: list[dict] | None = None,
     ) -> list[dict]:
-        """Sample n responses to one prompt; returns trajectories in wire form."""
-        trajs = await asyncio.gather(
-            *(
-                self._sample(group_id, list(prompt_ids), sampling_params, start_version)
+        """Sample n responses to one prompt, or continue the `partial` ones (which another
+        server left unfinished); returns trajectories in wire form, unfinished ones
+        (finish_reason "") when the server went down."""
+        if partial is not None:
+            trajs = [Trajectory.from_wire(w) for w in partial]
+        else:
+            trajs = [
+                Trajectory(group_id=group_id, prompt_ids=list(prompt_ids),
+                           start_version=start_version, t_start=time.time())
                 for _ in range(n)
-            )
-        )
+            ]  # fmt: skip
+        await asyncio.gather(*(self._sample(t, sampling_params) for t in trajs))
         return [t.to_wire() for t in trajs]
 
-    async def _sample(
-        self, group_id: int, prompt_ids: list[int], sampling_params: dict, start_version: int
-    ) -> Trajectory:
-        traj = Trajectory(
-            group_id=group_id,
-            prompt_ids=prompt_ids,
-            start_version=start_version,
-            t_start=time.time(),
-        )
+    async def _sample(self, traj: Trajectory, sampling_params: dict) -> None:
+        """Generate into traj until it finishes, or the server is down."""
         max_new = int(sampling_params["max_new_tokens"])
         rid = uuid.uuid4().hex
         for _ in range(_MAX_RESUMES):
             await self._open.wait()
+            if not self._alive.is_set():
+                return
             self._in_flight += 1
             self._idle.clear()
             try:
                 out = await self.client.generate(
-                    prompt_ids + traj.output_ids,
+                    traj.prompt_ids + traj.output_ids,
                     {**sampling_params, "max_new_tokens": max_new - len(traj.output_ids)},
                     rid=rid,
                 )
+            except ServerDied as e:
+                self._server_down(str(e))
+                return
             finally:
                 self._in_flight -= 1
                 if self._in_flight == 0:
@@ -103,32 +139,91 @@ class RolloutWorker:
                 "updates is aborting requests on the inference server"
             )
         traj.t_end = time.time()
-        return traj
 
     async def update_weights(self, version: int, path: str) -> dict:
-        """Make the server generate with `version` from now on."""
+        """Make the server generate with `version` from now on; {"version": what the
+        server holds, "loaded": whether it is `version`} (a down server loads it once back)."""
+        if self._latest is None or version > self._latest[0]:
+            self._latest = (version, path)
         async with self._update_lock:
-            if version <= self.version:
-                return {"version": self.version}
-            t0 = time.time()
-            if self.interruptible:
-                # Abort in-flight requests (they come back partial and are resubmitted) and
-                # hold new ones until the new weights are loaded.
-                try:  # a pause cut short (cancelled, timed out) must not leave it paused
-                    await self.client.pause_generation(mode="abort")
-                    await self.client.update_weights_from_disk(path, version)
-                finally:
-                    await self.client.continue_generation()
-            else:
-                self._open.clear()
+            if self._alive.is_set() and version > self.version:
                 try:
-                    await self._idle.wait()
-                    await self.client.update_weights_from_disk(path, version)
-                finally:
-                    self._open.set()
-            self.version = version
-            log.info("loaded version %d in %.2fs", version, time.time() - t0)
-            return {"version": version, "seconds": time.time() - t0}
+                    await self._load(version, path)
+                except ServerDown as e:
+                    self._server_down(str(e))
+            return {"version": self.version, "loaded": self.version >= version}
+
+    async def _load(self, version: int, path: str) -> None:
+        """Load `version` with retries; ServerDown when the server is gone or keeps refusing."""
+        t0 = time.time()
+        for attempt in range(1, self.update_retries + 1):
+            try:
+                await asyncio.wait_for(
+                    self._pause_load_continue(version, path), self.update_timeout_s
+                )
+                break
+            except ServerDied as e:
+                raise ServerDown(str(e)) from e
+            except (RuntimeError, asyncio.TimeoutError) as e:
+                reason = str(e) or f"no answer within {self.update_timeout_s:g} s"
+                log.warning("loading version %d, attempt %d/%d failed: %s",
+                            version, attempt, self.update_retries, reason)  # fmt: skip
+                if attempt == self.update_retries:
+                    msg = f"it refused version {version} {attempt} times: {reason}"
+                    raise ServerDown(msg) from e
+                await asyncio.sleep(min(2.0**attempt, 10.0))
+        self.version = version
+        log.info("loaded version %d in %.2fs", version, time.time() - t0)
+
+    async def _pause_load_continue(self, version: int, path: str) -> None:
+        if self.interruptible:
+            # Abort in-flight requests (they come back partial and are resubmitted) and
+            # hold new ones until the new weights are loaded.
+            try:  # a pause cut short (cancelled, timed out) must not leave it paused
+                await self.client.pause_generation(mode="abort")
+                await self.client.update_weights_from_disk(path, version)
+            finally:
+                await self.client.continue_generation()
+        else:
+            self._open.clear()
+            try:
+                await self._idle.wait()
+                await self.client.update_weights_from_disk(path, version)
+            finally:
+                self._open.set()
+
+    def _server_down(self, reason: str) -> None:
+        if not self._alive.is_set():
+            return
+        self._alive.clear()
+        self.n_server_deaths += 1
+        log.warning("inference server %s is down (%s); recovering", self.client.base_url, reason)
+        self._recovery = asyncio.create_task(self._recover())
+
+    async def _recover(self) -> None:
+        """Until the (restarted) server is healthy and holds the latest version."""
+        while True:
+            url = await asyncio.to_thread(self.find_server)
+            if url.rstrip("/") != self.client.base_url:
+                await self.client.close()
+                self.client = SGLangClient(url)
+            if await self.client.health():
+                async with self._update_lock:
+                    try:
+                        # A restarted server starts from the weights the run started from.
+                        if self._latest is not None:
+                            await self._load(*self._latest)
+                        self._alive.set()
+                        log.info("inference server %s is back at version %d", url, self.version)
+                        return
+                    except ServerDown as e:
+                        log.warning("inference server %s is not usable yet: %s", url, e)
+            await asyncio.sleep(_RECOVERY_POLL_S)
+
+    async def wait_ready(self) -> dict:
+        """Answers once the server serves (at once when it is up): {"version"}."""
+        await self._alive.wait()
+        return {"version": self.version}
 
     async def stats(self) -> dict:
         n, self.n_interrupted = self.n_interrupted, 0

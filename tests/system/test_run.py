@@ -134,9 +134,11 @@ def _wait_for(predicate, timeout: float, what: str):
 
 @pytest.mark.parametrize("role", ["rollout0", "reward0", "trainer0", "controller0", "server0"])
 def test_killed_role_stops_the_run(tmp_path, role):
-    """Killing any one role makes the launcher stop the others and exit non-zero naming it."""
+    """Killing any one role makes the launcher stop the others and exit non-zero naming it
+    (a server too, when it may not be restarted)."""
     exp_dir = tmp_path / "tiny/kill"
-    with launched(tmp_path, "total_train_steps=100000", "trial_name=kill") as launcher:
+    overrides = ("total_train_steps=100000", "trial_name=kill", "inference.max_restarts=0")
+    with launched(tmp_path, *overrides) as launcher:
         # Wait until training is under way, so every role is up.
         _wait_for(
             lambda: (
