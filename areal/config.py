@@ -150,6 +150,21 @@ class RolloutConfig(_Section):
             self._fail("top_k", f"must be -1 (off) or > 0, got {self.top_k!r}")
 
 
+# SGLang arguments the launcher derives from the config; extra_args may not repeat them.
+_SGLANG_OWNED_ARGS = {
+    "--model-path": "model.path or the resumed checkpoint",
+    "--model": "model.path or the resumed checkpoint",
+    "--host": "the node's address",
+    "--port": "a free port",
+    "--tp-size": "inference.tp_size",
+    "--tp": "inference.tp_size",
+    "--tensor-parallel-size": "inference.tp_size",
+    "--mem-fraction-static": "inference.mem_fraction",
+    "--random-seed": "seed",
+    "--weight-version": "the run's weight version",
+}
+
+
 @dataclass(kw_only=True)
 class InferenceConfig(_Section):
     _section: ClassVar[str] = "inference"
@@ -172,6 +187,12 @@ class InferenceConfig(_Section):
     """Seconds one server may take to load a weight version before the attempt is retried."""
     update_retries: int = 3
     """Attempts at loading a version before the server counts as down (and is recovered)."""
+    mem_fraction: float = 0.8
+    """SGLang's --mem-fraction-static: share of GPU memory for weights and KV cache, in (0, 1)."""
+    check_version: bool = True
+    """Refuse to start SGLang unless inference.python imports the supported version."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments of every SGLang server, e.g. [--context-length, "32768"]."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -182,6 +203,26 @@ class InferenceConfig(_Section):
         )  # fmt: skip
         if self.max_restarts < 0:
             self._fail("max_restarts", f"must be >= 0, got {self.max_restarts!r} (0 = never)")
+        if not 0 < self.mem_fraction < 1:
+            self._fail(
+                "mem_fraction",
+                f"must be in (0, 1), got {self.mem_fraction!r}: it is the share of each GPU's "
+                "memory SGLang takes for weights and KV cache (0.8 is a safe start)",
+            )
+        if self.extra_args and self.backend != "sglang":
+            self._fail(
+                "extra_args",
+                f"is for SGLang's command line, but inference.backend={self.backend!r}: "
+                "set inference.backend=sglang or remove it",
+            )
+        for arg in self.extra_args:
+            for owned in _SGLANG_OWNED_ARGS:
+                if arg == owned or arg.startswith(owned + "="):
+                    self._fail(
+                        "extra_args",
+                        f"must not set {owned}: the launcher sets it (from "
+                        f"{_SGLANG_OWNED_ARGS[owned]})",
+                    )
 
 
 @dataclass(kw_only=True)

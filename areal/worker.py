@@ -31,6 +31,7 @@ async def _serve_until_stopped(server: RpcServer) -> None:
 
 
 async def _rollout(cfg, index: int, key: bytes) -> None:
+    from areal.rollout.launch import server_log_path, wait_for_server
     from areal.rollout.worker import RolloutWorker
 
     registry = Registry(cfg.exp_dir)
@@ -44,7 +45,10 @@ async def _rollout(cfg, index: int, key: bytes) -> None:
         update_timeout_s=cfg.inference.update_timeout_s,
         update_retries=cfg.inference.update_retries,
     )
-    await worker.client.wait_healthy(cfg.inference.startup_timeout_s)
+    # On failure: the server's command line and the tail of logs/server{index}.log.
+    await wait_for_server(
+        worker.client, cfg.inference.startup_timeout_s, server_log_path(cfg.exp_dir, index)
+    )
     server = RpcServer(key)
     server.register("generate", worker.generate)
     server.register("update_weights", worker.update_weights)

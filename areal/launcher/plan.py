@@ -27,6 +27,9 @@ class Step:
     node: str
     gpus: int = 0
     """GPUs the step holds alone; 0 = it shares the node's CPUs with the others."""
+    gpu_ids: tuple[int, ...] = ()
+    """Which of the node's GPUs those are (0-based): CUDA_VISIBLE_DEVICES for a launcher
+    that does not bind GPUs itself (srun does, so the SLURM launcher ignores this)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment of the step beyond the launcher's (torch.distributed rendezvous)."""
 
@@ -103,25 +106,29 @@ def make_plan(
         inference, trainers = _cpu_split(cfg, nodes)
         n_inf = n_train = 0
     steps: list[Step] = []
-    for k, (node, gpus) in enumerate(inference):
-        steps.append(Step("server", k, node, gpus))
+    for k, (node, gpus, first) in enumerate(inference):
+        steps.append(Step("server", k, node, gpus, gpu_ids=_ids(gpus, first)))
     # Service roles share the first node's CPUs; each rollout worker sits beside its server.
     steps.append(Step("reward", 0, nodes[0]))
-    for k, (node, _) in enumerate(inference):
+    for k, (node, *_) in enumerate(inference):
         steps.append(Step("rollout", k, node))
     steps.append(Step("controller", 0, nodes[0]))
     master = addresses.get(trainers[0][0], trainers[0][0])
-    for rank, (node, gpus) in enumerate(trainers):
+    for rank, (node, gpus, first) in enumerate(trainers):
         env = {
             "RANK": str(rank),
             "WORLD_SIZE": str(len(trainers)),
             # A GPU rank is its own step holding its own GPU, so it sees that GPU as cuda:0.
-            "LOCAL_RANK": str(sum(n == node for n, _ in trainers[:rank]) if not gpus else 0),
+            "LOCAL_RANK": str(sum(n == node for n, *_ in trainers[:rank]) if not gpus else 0),
             "MASTER_ADDR": master,
             "MASTER_PORT": str(master_port),
         }
-        steps.append(Step("trainer", rank, node, gpus, env))
+        steps.append(Step("trainer", rank, node, gpus, _ids(gpus, first), env))
     return Plan(nodes, gpus_per_node, n_inf, n_train, steps)
+
+
+def _ids(gpus: int, first: int) -> tuple[int, ...]:
+    return tuple(range(first, first + gpus))
 
 
 def _gpu_split(cfg, nodes, gpus_per_node):
@@ -141,8 +148,9 @@ def _gpu_split(cfg, nodes, gpus_per_node):
             "and a trainer: allocate more GPUs or lower inference.tp_size"
         )
     slots = [(node, g) for node in nodes for g in range(gpus_per_node)]
-    inference = [(node, tp) for node, g in slots[:n_inf] if g % tp == 0]
-    trainers = [(node, 1) for node, _ in slots[n_inf:]]
+    # (node, GPUs, first GPU index on the node) of each server and each trainer rank.
+    inference = [(node, tp, g) for node, g in slots[:n_inf] if g % tp == 0]
+    trainers = [(node, 1, g) for node, g in slots[n_inf:]]
     return inference, trainers, n_inf, total - n_inf
 
 
@@ -153,7 +161,7 @@ def _cpu_split(cfg, nodes):
         n = min(max(round(len(nodes) * cfg.launcher.inference_fraction), 1), len(nodes) - 1)
         inf_nodes, train_nodes = nodes[:n], nodes[n:]
     servers = cfg.rollout.n_servers
-    inference = [(inf_nodes[k % len(inf_nodes)], 0) for k in range(servers)]
+    inference = [(inf_nodes[k % len(inf_nodes)], 0, 0) for k in range(servers)]
     # trainer.parallel.dp ranks, spread over the training nodes in turn.
     ranks = cfg.trainer.parallel.dp
-    return inference, [(train_nodes[r % len(train_nodes)], 0) for r in range(ranks)]
+    return inference, [(train_nodes[r % len(train_nodes)], 0, 0) for r in range(ranks)]

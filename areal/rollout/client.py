@@ -28,8 +28,16 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ServerDied(ConnectionError):
-    """The server cannot be reached (refused, reset, closed mid-answer): it is down, as
-    opposed to answering with an error or a malformed body."""
+    """The server refused, reset or dropped the connection of a call: it is down or died
+    mid-request (a malformed answer is a ValueError, an HTTP error a RuntimeError)."""
+
+    def __init__(self, url: str, operation: str, cause: BaseException):
+        self.url = url
+        self.operation = operation
+        super().__init__(
+            f"inference server {url} is unreachable or died during {operation} "
+            f"({type(cause).__name__}: {cause})"
+        )
 
 
 @dataclass(kw_only=True)
@@ -237,21 +245,26 @@ class SGLangClient:
     async def _call(
         self, method: str, path: str, body: Any, ok_statuses: tuple[int, ...] = (200,)
     ) -> Any:
-        """JSON (or text) of the answer; RuntimeError with the server's message otherwise."""
+        """JSON (or text) of the answer; RuntimeError with the server's message otherwise,
+        ServerDied when the connection is refused, reset or closed before the answer."""
         session = await self._get_session()
         try:
             async with session.request(method, self.base_url + path, json=body) as resp:
-                status, raw = resp.status, await resp.read()
-        except aiohttp.ClientConnectionError as e:
-            raise ServerDied(
-                f"{method} {self.base_url}{path}: the server is unreachable ({e})"
-            ) from e
+                raw = await resp.read()
+                return self._content(method, path, resp, raw, ok_statuses)
+        except aiohttp.ServerTimeoutError:
+            raise  # slow, not dead: an asyncio.TimeoutError for the caller
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+            raise ServerDied(self.base_url, f"{method} {path}", e) from e
+
+    def _content(self, method: str, path: str, resp, raw: bytes, ok_statuses) -> Any:
         try:
             content: Any = json.loads(raw) if raw.strip() else None
         except ValueError:
             content = raw.decode(errors="replace")
-        if status not in ok_statuses:
+        if resp.status not in ok_statuses:
             raise RuntimeError(
-                f"{method} {self.base_url}{path} returned HTTP {status}: {error_message(content)}"
+                f"{method} {self.base_url}{path} returned HTTP {resp.status}: "
+                f"{error_message(content)}"
             )
         return content

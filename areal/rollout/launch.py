@@ -7,43 +7,108 @@ The server role runs on the node that will serve, so it alone can pick a free po
 and register the URL peers reach it at (AREAL_HOST, see comm/net.py); then it replaces
 itself with the server process (exec), so the launcher's stop signals reach the server
 directly. The rollout worker waits for /health, so registering before listening is safe.
+
+Before exec the role prints the server's command line as the first line of its log
+(logs/server{k}.log) and, for SGLang, checks that inference.python imports the supported
+version. A server that does not become healthy is reported by `wait_for_server` with that
+command line and the log's last lines. GPUs: the server uses every GPU it sees, so
+CUDA_VISIBLE_DEVICES must name its own (srun sets it for a SLURM step; plan.Step.gpu_ids
+says which for a launcher that sets it itself).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 from areal.comm import net
 from areal.comm.registry import Registry
+from areal.config import ConfigError
+
+SUPPORTED_SGLANG = "0.5.23"
+"""The SGLang release whose HTTP API we speak; pyproject's `sglang` extra pins the same."""
+COMMAND_PREFIX = "areal: server command: "
+"""Start of the first line of a server's log: the command line that started it."""
 
 
-def server_command(cfg, k: int, host: str, port: int) -> list[str]:
-    """The command line of inference server k, listening on host:port."""
-    if cfg.inference.backend != "embedded":
-        raise ValueError(
-            f"inference.backend={cfg.inference.backend!r} is not available yet; use embedded"
-        )
-    # A resumed run's servers start from the checkpoint's weights and version.
-    ckpt = None
+def _start_weights(cfg) -> tuple[str, int]:
+    """Model directory and weight version to serve: a resumed run's checkpoint, else the model."""
     if cfg.resume:
         from areal.checkpoint import latest  # imports torch: only when it is needed
 
         ckpt = latest(cfg.exp_dir)
-    model, version = (str(ckpt.model_dir), ckpt.version) if ckpt else (cfg.model.path, 0)
+        if ckpt:
+            return str(ckpt.model_dir), ckpt.version
+    return cfg.model.path, 0
+
+
+def server_command(cfg, k: int, host: str, port: int) -> list[str]:
+    """The command line of inference server k, listening on host:port."""
+    inf = cfg.inference
+    model, version = _start_weights(cfg)
+    python = inf.python or sys.executable
+    if inf.backend == "embedded":
+        args = {
+            "--model": model,
+            "--host": host,
+            "--port": port,
+            "--max-batch-size": inf.max_batch_size,
+            "--num-threads": inf.num_threads,
+            "--seed": cfg.seed + k,
+            "--weight-version": version,
+        }
+        return [python, "-m", "areal.rollout.server", *_flat(args)]
+    if inf.backend != "sglang":
+        raise ConfigError(f"inference.backend={inf.backend!r} must be embedded or sglang")
+    # SGLang 0.5.x ServerArgs. Log-probs need no flag: each /generate asks for them with
+    # return_logprob. --weight-version is what meta_info.weight_version reports until the
+    # first /update_weights_from_disk sets a new one.
     args = {
-        "--model": model,
+        "--model-path": model,
         "--host": host,
         "--port": port,
-        "--max-batch-size": cfg.inference.max_batch_size,
-        "--num-threads": cfg.inference.num_threads,
-        "--seed": cfg.seed + k,
+        "--tp-size": inf.tp_size,
+        "--mem-fraction-static": inf.mem_fraction,
+        "--max-running-requests": inf.max_batch_size,
+        "--dtype": cfg.model.dtype,
+        "--random-seed": cfg.seed + k,
         "--weight-version": version,
     }
-    python = cfg.inference.python or sys.executable
-    return [python, "-m", "areal.rollout.server", *(str(x) for kv in args.items() for x in kv)]
+    return [python, "-m", "sglang.launch_server", *_flat(args), *inf.extra_args]
+
+
+def _flat(args: dict) -> list[str]:
+    return [str(x) for kv in args.items() for x in kv]
+
+
+def sglang_version_problem(python: str) -> str | None:
+    """None if `python` imports SGLang SUPPORTED_SGLANG, else what is wrong and how to fix it."""
+    cmd = [python, "-c", "import sglang; print(sglang.__version__)"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        found = "does not exist"
+    except subprocess.TimeoutExpired:
+        found = "did not finish `import sglang` within 300 s"
+    else:
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and lines and lines[-1].strip() == SUPPORTED_SGLANG:
+            return None
+        if proc.returncode == 0 and lines:
+            found = f"imports sglang {lines[-1].strip()}"
+        else:
+            err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            found = f"cannot import sglang ({err})"
+    return (
+        f"inference.backend=sglang needs SGLang {SUPPORTED_SGLANG}, but the interpreter "
+        f"{python} {found}. Install it in an environment of its own "
+        f'(`python -m venv ENV && ENV/bin/pip install "sglang=={SUPPORTED_SGLANG}"`, or '
+        f'`pip install "areal[sglang]"`) and set inference.python=ENV/bin/python; '
+        "inference.check_version=false skips this check at your own risk."
+    )
 
 
 def exec_server(cfg, k: int) -> None:
@@ -51,26 +116,95 @@ def exec_server(cfg, k: int) -> None:
     host = net.bind_host()
     port = net.free_port(host)
     cmd = server_command(cfg, k, host, port)
+    print(COMMAND_PREFIX + shlex.join(cmd), flush=True)
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    print(f"areal: CUDA_VISIBLE_DEVICES={gpus if gpus is not None else '(unset)'}", flush=True)
+    if cfg.inference.backend == "sglang" and cfg.inference.check_version:
+        problem = sglang_version_problem(cmd[0])
+        if problem:
+            print(f"areal: {problem}", file=sys.stderr, flush=True)
+            sys.exit(1)
     Registry(cfg.exp_dir).register("server", k, f"http://{net.advertised_host()}:{port}")
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(cmd[0], cmd)
 
 
+def start_server_process(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    """Run a server command as a child that dies with this process, its output in log_path
+    after a first line with the command (what `wait_for_server` reports)."""
+    from areal.process import die_with_parent
+
+    with open(log_path, "w") as log:
+        log.write(COMMAND_PREFIX + shlex.join(cmd) + "\n")
+        log.flush()
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+
+
 def start_embedded_server(
     model: str | Path, log_path: Path, *args: str
 ) -> tuple[subprocess.Popen, str]:
     """The embedded server on a free loopback port, as a child that dies with this process
-    (eval, benchmarks, tests); returns the process and its URL. Poll /health to know it
-    is ready."""
-    from areal.process import die_with_parent
-
+    (eval, benchmarks, tests); returns the process and its URL. Poll /health (or call
+    `wait_for_server`) to know it is ready."""
     port = net.free_port("127.0.0.1")
     cmd = [sys.executable, "-m", "areal.rollout.server", "--model", str(model)]
     cmd += ["--port", str(port), *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
-    return proc, f"http://127.0.0.1:{port}"
+    return start_server_process(cmd, log_path), f"http://127.0.0.1:{port}"
+
+
+class ServerStartError(RuntimeError):
+    """An inference server did not become healthy; the message has its command and log tail."""
+
+
+def server_log_path(exp_dir: Path, k: int) -> Path:
+    """The log of inference server k in a run (the launcher names logs after steps)."""
+    return Path(exp_dir) / "logs" / f"server{k}.log"
+
+
+def read_command(log_path: Path) -> str | None:
+    """The command line a server log starts with, if it does."""
+    try:
+        with open(log_path, errors="replace") as f:
+            for _, line in zip(range(20), f, strict=False):
+                if line.startswith(COMMAND_PREFIX):
+                    return line[len(COMMAND_PREFIX) :].rstrip("\n")
+    except OSError:
+        pass
+    return None
+
+
+def explain_start_failure(
+    reason: str, log_path: Path | None, command: str | None = None, lines: int = 30
+) -> str:
+    """reason, then the server's command line and the last `lines` of its log."""
+    parts = [reason]
+    if log_path is not None:
+        command = command or read_command(log_path)
+    parts.append(f"server command: {command or '(unknown: not in the log)'}")
+    if log_path is not None:
+        try:
+            tail = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"last {len(tail)} lines of {log_path}:\n" + "\n".join(tail))
+        except OSError as e:
+            parts.append(f"no server log at {log_path}: {e}")
+    return "\n".join(parts)
+
+
+async def wait_for_server(
+    client,
+    timeout: float,
+    log_path: Path | None = None,
+    proc: subprocess.Popen | None = None,
+    command: list[str] | None = None,
+) -> None:
+    """Wait until client's server is healthy; ServerStartError with the server's command and
+    log tail if it is not within `timeout` seconds or its process (when given) exits."""
+    try:
+        await client.wait_healthy(timeout, proc)
+    except (RuntimeError, TimeoutError) as e:
+        cmd = shlex.join(command) if command else None
+        raise ServerStartError(explain_start_failure(str(e), log_path, cmd)) from None

@@ -176,23 +176,38 @@ def format_generate_output(result: GenerationResult, spec: GenerateSpec, tokeniz
         text = tokenizer.decode(text_ids, skip_special_tokens=spec.skip_special_tokens)
         if isinstance(matched, str) and not spec.no_stop_trim and matched in text:
             text = text[: text.index(matched)]
+    # The keys and order of SGLang's TokenizerManager._handle_batch_output (metrics off); see
+    # tests/data/sglang_generate_response.json.
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
         "prompt_tokens": len(result.prompt_ids),
         "weight_version": result.weight_version,
-        "completion_tokens": len(result.output_ids),
-        "cached_tokens": 0,
-        "e2e_latency": result.e2e_latency,
+        "num_retractions": 0,
     }
     if spec.return_logprob:
-        token_texts: list[str | None] = [None] * len(result.output_ids)
-        if spec.return_text_in_logprobs and tokenizer is not None:
-            token_texts = [tokenizer.decode([t]) for t in result.output_ids]
+
+        def texts(ids: list[int]) -> list[str | None]:
+            if spec.return_text_in_logprobs and tokenizer is not None:
+                return [tokenizer.decode([t]) for t in ids]
+            return [None] * len(ids)
+
+        # By default SGLang starts input log-probs at the last prompt token, which has none.
+        last = result.prompt_ids[-1:]
+        meta["input_token_logprobs"] = [
+            [None, t, x] for t, x in zip(last, texts(last), strict=True)
+        ]
         meta["output_token_logprobs"] = [
             [lp, tok, txt]
-            for lp, tok, txt in zip(result.logprobs, result.output_ids, token_texts, strict=True)
+            for lp, tok, txt in zip(
+                result.logprobs, result.output_ids, texts(result.output_ids), strict=True
+            )
         ]
+        meta["output_token_logprobs_length"] = len(result.output_ids)
+    meta["reasoning_tokens"] = 0
+    meta["completion_tokens"] = len(result.output_ids)
+    meta["cached_tokens"] = 0
+    meta["e2e_latency"] = result.e2e_latency
     return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
 
 
@@ -334,12 +349,18 @@ async def weight_version(request: web.Request) -> web.Response:
 
 async def server_info(request: web.Request) -> web.Response:
     engine = _engine(request)
+    # SGLang's is {**server_args, **scheduler_info, "internal_states": [...], "version"}; the
+    # counters are also at the top level for tools that read them there.
+    stats = engine.stats()
     info = {
         "model_path": engine.model_path,
         "tokenizer_path": _state(request)["tokenizer_path"],
         "context_length": engine.context_len,
+        "weight_version": engine.weight_version,
+        "max_running_requests": engine.max_batch_size,
+        "internal_states": [stats],
         "version": "areal-embedded",
-        **engine.stats(),
+        **stats,
     }
     return web.json_response(info)
 

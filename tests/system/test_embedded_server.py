@@ -383,6 +383,126 @@ def test_malformed_requests_get_400_naming_the_field(server, prompts):
     run(body, server)
 
 
+SHAPES = json.loads((Path(__file__).parents[1] / "data" / "sglang_shapes.json").read_text())
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """text split at `sep` outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
+def _matches(value, kind: str) -> bool:
+    """Whether a JSON value has the type `kind` of sglang_shapes.json."""
+    options = _split_top(kind, "|")
+    if len(options) > 1:
+        return any(_matches(value, option) for option in options)
+    simple = {"str": str, "bool": bool, "null": type(None), "float": float}
+    if kind == "any":
+        return True
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind in simple:
+        return isinstance(value, simple[kind])
+    if kind.startswith("list[") and kind.endswith("]"):
+        return isinstance(value, list) and all(_matches(v, kind[5:-1]) for v in value)
+    if kind.startswith("tuple[") and kind.endswith("]"):
+        items = _split_top(kind[6:-1], ",")
+        return (
+            isinstance(value, list)
+            and len(value) == len(items)
+            and all(_matches(v, k) for v, k in zip(value, items, strict=True))
+        )
+    raise AssertionError(f"unknown type {kind!r} in sglang_shapes.json")
+
+
+def assert_shape(value, shape, where: str = "", exact: bool = True) -> None:
+    """value has exactly the keys of `shape` (at least them, if not exact), each of its type."""
+    if shape == "finish_reason":
+        assert isinstance(value, dict) and value.get("type") in SHAPES["finish_reason"], where
+        shape = SHAPES["finish_reason"][value["type"]]
+    if isinstance(shape, dict):
+        assert isinstance(value, dict), f"{where} is {value!r}, not an object"
+        missing, extra = set(shape) - set(value), set(value) - set(shape)
+        assert not missing, f"{where or 'response'} lacks SGLang's {sorted(missing)}"
+        assert not exact or not extra, f"{where or 'response'} has {sorted(extra)}, SGLang not"
+        for key, kind in shape.items():
+            assert_shape(value[key], kind, f"{where}.{key}".lstrip("."))
+    else:
+        assert _matches(value, shape), f"{where}={value!r} is not {shape}"
+
+
+def test_responses_match_sglang_field_for_field(server, model_dir, prompts):
+    async def body(client: SGLangClient):
+        greedy = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+        for params, extra in [
+            (greedy, {}),
+            ({**greedy, "stop_token_ids": []}, {"return_text_in_logprobs": True}),
+        ]:
+            payload = {"input_ids": prompts[1], "sampling_params": params, "return_logprob": True}
+            status, data = await raw("POST", server + "/generate", json={**payload, **extra})
+            assert status == 200
+            assert_shape(json.loads(data), SHAPES["generate"])
+        first = json.loads(data)["output_ids"][0]
+        stop = {"max_new_tokens": 4, "temperature": 0.0, "stop_token_ids": [first]}
+        payload = {"input_ids": prompts[1], "sampling_params": stop, "return_logprob": True}
+        status, data = await raw("POST", server + "/generate", json=payload)
+        out = json.loads(data)
+        assert_shape(out, SHAPES["generate"])
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+        assert out["meta_info"]["input_token_logprobs"] == [[None, prompts[1][-1], None]]
+        assert out["meta_info"]["output_token_logprobs_length"] == 1
+
+        # Aborted mid-generation: the abort reason's shape.
+        payload = {"input_ids": prompts[2], "sampling_params": LONG, "return_logprob": True}
+        task = asyncio.create_task(raw("POST", server + "/generate", json={**payload, "rid": "s"}))
+        await wait_for_info(server, lambda s: s["num_running_reqs"] == 1)
+        await client.abort_request("s")
+        status, data = await task
+        aborted = json.loads(data)
+        assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+        assert_shape(aborted, SHAPES["generate"])
+
+        # Reloading the same weights under the same version: the update answer's shape.
+        status, data = await raw(
+            "POST",
+            server + "/update_weights_from_disk",
+            json={"model_path": str(model_dir), "weight_version": "0"},
+        )
+        assert status == 200
+        assert_shape(json.loads(data), SHAPES["update_weights_from_disk"])
+        for path, shape in [("/model_info", "model_info"), ("/get_weight_version", None)]:
+            status, data = await raw("GET", server + path)
+            assert_shape(json.loads(data), SHAPES[shape or path[1:]])
+        status, data = await raw("GET", server + "/get_server_info")
+        assert_shape(json.loads(data), SHAPES["server_info_required"], exact=False)
+
+    run(body, server)
+
+
+def test_flush_cache_answers_plain_text_and_keeps_generating(server, prompts):
+    async def body(client: SGLangClient):
+        greedy = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+        before = await client.generate(prompts[3], greedy)
+        for method in ("POST", "GET"):
+            async with aiohttp.ClientSession() as session:
+                async with session.request(method, server + "/flush_cache") as resp:
+                    assert resp.status == 200
+                    assert resp.content_type == "text/plain"
+                    assert (await resp.text()).startswith("Cache flushed.\n")
+        assert (await client.flush_cache()).startswith("Cache flushed.")
+        after = await client.generate(prompts[3], greedy)
+        assert (after.output_ids, after.logprobs) == (before.output_ids, before.logprobs)
+
+    run(body, server)
+
+
 def test_update_weights_from_disk(server, model_dir, prompts, ref_model, tmp_path):
     def scale_norm(tensors):
         tensors["model.norm.weight"] = tensors["model.norm.weight"] * 3

@@ -1,0 +1,154 @@
+"""Inference server command lines, the SGLang version check and start-failure messages,
+without starting a server."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal.config import ConfigError, load_config
+from areal.launcher.plan import make_plan
+from areal.rollout.launch import (
+    COMMAND_PREFIX,
+    SUPPORTED_SGLANG,
+    exec_server,
+    explain_start_failure,
+    read_command,
+    server_command,
+    sglang_version_problem,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_supported_sglang_is_the_pyproject_pin():
+    # tomllib is 3.11+; the extra is one line: sglang = ["sglang==X"]
+    pins = re.findall(
+        r'^sglang = \["sglang==([^"]+)"\]$', (ROOT / "pyproject.toml").read_text(), re.M
+    )
+    assert pins == [SUPPORTED_SGLANG]
+
+
+def test_sglang_command_line():
+    cfg = load_config(
+        None,
+        [
+            "inference.backend=sglang",
+            "inference.python=/envs/sgl/bin/python",
+            "inference.tp_size=2",
+            "inference.mem_fraction=0.7",
+            "inference.max_batch_size=32",
+            "inference.extra_args=[--context-length, '4096']",
+            "model.path=/models/qwen",
+            "model.dtype=bfloat16",
+            "seed=5",
+        ],
+    )
+    cmd = server_command(cfg, 3, "0.0.0.0", 30001)
+    assert cmd[:3] == ["/envs/sgl/bin/python", "-m", "sglang.launch_server"]
+    args = dict(zip(cmd[3:-2:2], cmd[4:-2:2], strict=True))
+    assert args == {
+        "--model-path": "/models/qwen",
+        "--host": "0.0.0.0",
+        "--port": "30001",
+        "--tp-size": "2",
+        "--mem-fraction-static": "0.7",
+        "--max-running-requests": "32",
+        "--dtype": "bfloat16",
+        "--random-seed": "8",
+        "--weight-version": "0",
+    }
+    assert cmd[-2:] == ["--context-length", "4096"]
+
+
+def test_embedded_command_line_uses_this_interpreter():
+    cfg = load_config(None, ["model.path=/m", "seed=1"])
+    cmd = server_command(cfg, 1, "127.0.0.1", 4000)
+    assert cmd[:3] == [sys.executable, "-m", "areal.rollout.server"]
+    assert cmd[cmd.index("--seed") + 1] == "2" and cmd[cmd.index("--model") + 1] == "/m"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["inference.mem_fraction=1.0"], "inference.mem_fraction must be in (0, 1)"),
+        (["inference.extra_args=[--foo]"], "set inference.backend=sglang"),
+        (
+            ["inference.backend=sglang", "inference.extra_args=[--tp-size, '2']"],
+            "must not set --tp-size: the launcher sets it (from inference.tp_size)",
+        ),
+        (
+            ["inference.backend=sglang", "inference.extra_args=['--port=1']"],
+            "must not set --port",
+        ),
+    ],
+)
+def test_config_errors(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert expected in str(info.value)
+
+
+def _fake_python(tmp_path: Path, script: str) -> str:
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\n" + script + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_version_check_names_what_was_found_and_the_fix(tmp_path):
+    assert sglang_version_problem(_fake_python(tmp_path, f"echo {SUPPORTED_SGLANG}")) is None
+    wrong = _fake_python(tmp_path, "echo 0.4.9")
+    problem = sglang_version_problem(wrong)
+    assert f"needs SGLang {SUPPORTED_SGLANG}" in problem
+    assert f"{wrong} imports sglang 0.4.9" in problem
+    assert "inference.python=" in problem and "areal[sglang]" in problem
+    missing = _fake_python(tmp_path, "echo 'ModuleNotFoundError: no sglang' >&2; exit 1")
+    assert "cannot import sglang (ModuleNotFoundError" in sglang_version_problem(missing)
+    assert "/no/such/python does not exist" in sglang_version_problem("/no/such/python")
+
+
+def test_server_role_prints_its_command_and_refuses_a_wrong_sglang(tmp_path, capsys):
+    python = _fake_python(tmp_path, "echo 0.4.9")
+    cfg = load_config(
+        None,
+        [f"fileroot={tmp_path}", "inference.backend=sglang", f"inference.python={python}"],
+    )
+    with pytest.raises(SystemExit) as info:
+        exec_server(cfg, 0)
+    assert info.value.code == 1
+    out = capsys.readouterr()
+    first = out.out.splitlines()[0]
+    assert first.startswith(COMMAND_PREFIX + shlex.join([python, "-m", "sglang.launch_server"]))
+    assert "imports sglang 0.4.9" in out.err
+    assert not (cfg.exp_dir / "registry").exists() or not any((cfg.exp_dir / "registry").iterdir())
+
+
+def test_start_failure_message_has_the_command_and_the_log_tail(tmp_path):
+    log = tmp_path / "server0.log"
+    lines = [f"line {i}" for i in range(50)]
+    log.write_text(COMMAND_PREFIX + "python -m sglang.launch_server --port 1\n" + "\n".join(lines))
+    assert read_command(log) == "python -m sglang.launch_server --port 1"
+    message = explain_start_failure("not healthy after 3 s", log, lines=5)
+    assert message.startswith("not healthy after 3 s\nserver command: python -m sglang")
+    assert message.endswith("\n".join(lines[-5:]))
+    missing = explain_start_failure("boom", tmp_path / "nope.log")
+    assert "(unknown: not in the log)" in missing and "no server log at" in missing
+
+
+def test_gpu_plan_gives_each_step_its_own_gpus():
+    cfg = load_config(None, ["inference.tp_size=2", "launcher.inference_fraction=0.75"])
+    plan = make_plan(cfg, ["n0", "n1"], 4)
+    servers = [s for s in plan.steps if s.role == "server"]
+    trainers = [s for s in plan.steps if s.role == "trainer"]
+    assert [(s.node, s.gpu_ids) for s in servers] == [
+        ("n0", (0, 1)),
+        ("n0", (2, 3)),
+        ("n1", (0, 1)),
+    ]
+    assert [(s.node, s.gpu_ids) for s in trainers] == [("n1", (2,)), ("n1", (3,))]
+    assert all(not s.gpu_ids for s in plan.steps if s.role not in ("server", "trainer"))
