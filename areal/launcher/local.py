@@ -4,8 +4,10 @@
              --Popen--> reward0, rollout{k}, controller0              logs/{role}{k}.log
              --Popen--> trainer{r}, r < trainer.parallel.dp          (RANK, WORLD_SIZE, ...)
 
-The plan is the single-node CPU placement (areal/launcher/plan.py); the poll/stop/report
-loop is launcher/base.py's. Each child gets SIGKILL if the launcher itself dies
+The plan is the single-node placement (areal/launcher/plan.py): CPU-only by default, or
+over launcher.gpus_per_node GPUs of this machine, each GPU step seeing only its own GPUs
+(CUDA_VISIBLE_DEVICES) and the CPU roles none; the poll/stop/report loop is
+launcher/base.py's. Each child gets SIGKILL if the launcher itself dies
 (PR_SET_PDEATHSIG), so a run never leaves orphans.
 """
 
@@ -21,13 +23,16 @@ from areal.launcher.plan import Step, make_plan
 
 class LocalLauncher(Launcher):
     def __init__(self, cfg):
-        plan = make_plan(
-            cfg, [socket.gethostname()], 0, {socket.gethostname(): "127.0.0.1"}, free_port()
-        )
+        host = socket.gethostname()
+        gpus = cfg.launcher.gpus_per_node or 0
+        plan = make_plan(cfg, [host], gpus, {host: "127.0.0.1"}, free_port())
         super().__init__(cfg, plan)
 
     def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
+        env = {}
+        if self.plan.gpus_per_node:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in step.gpu_ids)
         if step.role == "trainer" and self.plan.world_size > 1:
             # gloo picks the interface of the hostname, which need not reach 127.0.0.1.
-            return cmd, {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        return cmd, {}
+            env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+        return cmd, env

@@ -101,3 +101,15 @@ def test_dry_run_prints_the_plan_and_outside_a_job_slurm_says_use_sbatch(tmp_pat
     assert proc.returncode == 2 and "sbatch" in proc.stderr and "salloc" in proc.stderr
     proc = _train("launcher.type=slurm", "--dry-run", "--nodes", "2", "--gpus-per-node", "4")
     assert "6 GPUs for inference (6 servers), 2 for training (world size 2)" in proc.stdout
+
+
+def test_local_launcher_gives_each_gpu_step_its_own_gpus_and_cpu_roles_none() -> None:
+    from areal.launcher.local import LocalLauncher
+
+    cfg = load_config(str(REPO / "configs/math_1.5b.yaml"), ["launcher.type=local"])
+    cfg.launcher.gpus_per_node = 8
+    launcher = LocalLauncher(cfg)
+    seen = {s.name: launcher.command(s, [])[1]["CUDA_VISIBLE_DEVICES"] for s in launcher.plan.steps}
+    gpu_steps = [v for v in seen.values() if v]
+    assert sorted(gpu_steps) == [str(i) for i in range(8)]  # each GPU held by one step
+    assert seen["controller0"] == seen["rollout0"] == seen["reward0"] == ""
