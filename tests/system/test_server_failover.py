@@ -7,8 +7,10 @@ one mid-generation; the run test kills a server of a two-server run under the la
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import urllib.request
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -102,6 +104,11 @@ def test_worker_returns_partial_samples_of_a_dead_server_and_recovers(tmp_path):
         assert after.versions == [0] * n_before + [2] * (N_NEW - n_before)
 
 
+def running_requests(url: str) -> int:
+    with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
+        return json.load(resp)["num_running_reqs"]
+
+
 def test_a_run_survives_a_killed_server_and_loses_no_prompt(tmp_path):
     """Two servers; one is killed mid-run. The launcher restarts it, its samples resume on
     the other, it comes back, and every prompt taken from the dataset is trained, ready or
@@ -118,19 +125,20 @@ def test_a_run_survives_a_killed_server_and_loses_no_prompt(tmp_path):
             240,
             "three training steps",
         )
-        port = (exp_dir / "registry/server/0").read_text().rsplit(":", 1)[1]
+        url = (exp_dir / "registry/server/0").read_text()
+        port = url.rsplit(":", 1)[1]
         victims = [
             p for p in processes_mentioning(str(tmp_path))
             if "areal.rollout.server" in cmdline(p) and f"--port {port} " in cmdline(p) + " "
         ]  # fmt: skip
         assert len(victims) == 1, victims
+        # Killed while it generates (the gate may have paused admission for a moment).
+        _wait_for(lambda: running_requests(url) >= 4, 60, "requests on server 0")
         os.kill(victims[0], signal.SIGKILL)
         _wait_for(lambda: "inference server 0 is back" in controller_log.read_text(), 120, "back")
         # A few steps with both servers again, and a checkpoint taken after them.
         n_back = len(read_metrics(exp_dir))
-        _wait_for(
-            lambda: (exp_dir / f"checkpoints/v{n_back + 6:06d}").exists(), 120, "a checkpoint"
-        )
+        _wait_for(lambda: getattr(latest(exp_dir), "version", 0) >= n_back + 6, 120, "a checkpoint")
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=60)
     assert "role server0 was killed by SIGKILL; restarting it (1/3)" in err, err[-3000:]
