@@ -203,14 +203,20 @@ class MegatronBackend:
         save_hf(self.gpt, out_dir, self.shape, self.layout, self.model_dir, self.save_dtype)
 
     def state_dict(self) -> dict:
-        if self.tp * self.pp > 1:
-            raise NotImplementedError(
-                "checkpoints of the megatron backend with tp * pp > 1 are not implemented: "
-                "each rank's optimizer shard would have to be saved; use tp = pp = 1"
-            )
-        return {"optimizer": self.optimizer.state_dict(), "n_steps": self.n_steps}
+        """Rank 0's optimizer state: the whole of it only when tp = pp = 1 (see load)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "n_steps": self.n_steps,
+            "model_parallel": self.tp * self.pp,
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("model_parallel", 1) > 1 or self.tp * self.pp > 1:
+            raise ValueError(
+                "resuming the megatron backend with trainer.parallel.tp * pp > 1 is not "
+                "implemented (only rank 0's optimizer slice is checkpointed): resume with "
+                "tp = pp = 1, or start afresh from the published weights/vN as model.path"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.n_steps = state["n_steps"]
         self._set_lr()
