@@ -13,7 +13,7 @@ Two paths behind one interface, chosen by what the machine has:
 | optimizer  | torch AdamW, TP-aware clip             | get_megatron_optimizer (fp32 master)   |
 
 The micro-batch loop stays the shared one of step.py on both paths. Pipeline parallelism
-(pp > 1) needs Megatron's schedules, which are CUDA-only: see `forward_backward_pipelined`.
+(pp > 1) needs Megatron's schedules, which are CUDA-only: see gpu.forward_backward_pipelined.
 """
 
 from __future__ import annotations
@@ -100,13 +100,9 @@ class MegatronBackend:
 
     # ---- forward ------------------------------------------------------------------------
 
-    def _forward(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Vocab-parallel logits [T, V/tp] of the packed stream, and its token ids [T]."""
-        if self.pp > 1:
-            raise NotImplementedError(
-                "trainer.parallel.pp > 1 runs through Megatron's pipeline schedules "
-                "(forward_backward_pipelined, GPU only), not the per-micro-batch logprobs"
-            )
+    def _packed_forward(self, seqs: Sequence[Sequence[int]], model=None):
+        """(model output [1, T, ...], token ids [T], extra kwargs) of the packed stream: the
+        vocab-parallel logits on the last PP stage, hidden states on the others."""
         input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         kwargs = {}
@@ -130,8 +126,19 @@ class MegatronBackend:
             n = len(input_ids)
             causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
             mask = ~((seg[:, None] == seg[None, :]) & causal)[None, None]
-        logits = self.model(input_ids[None], position_ids[None], mask, **kwargs)[0]  # [T, V/tp]
-        return logits, input_ids
+        model = model if model is not None else self.model
+        output = model(input_ids[None], position_ids[None], mask, **kwargs)
+        return output, input_ids, kwargs
+
+    def _forward(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vocab-parallel logits [T, V/tp] of the packed stream, and its token ids [T]."""
+        if self.pp > 1:
+            raise NotImplementedError(
+                "with trainer.parallel.pp > 1 only the last stage has logits: run micro-batches "
+                "through gpu.forward_backward_pipelined (Megatron's schedules, GPU only)"
+            )
+        output, input_ids, _ = self._packed_forward(seqs)
+        return output[0], input_ids
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """Padded vocab rows (a multiple of tp) are no token: -inf before the softmax."""
@@ -145,10 +152,14 @@ class MegatronBackend:
 
     def logprobs(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
         """Log-probs of every next token of every sequence, as one stream (L-1 per sequence)."""
+        logits, input_ids = self._forward(seqs)
+        return self._token_logprobs(logits[None], input_ids, seqs)
+
+    def _token_logprobs(self, output, input_ids, seqs) -> torch.Tensor:
+        """Next-token log-probs from vocab-parallel logits [1, T, V/tp], reduced over TP."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits, input_ids = self._forward(seqs)
-        logits = self._mask_vocab_padding(logits.float() / self.temperature)
+        logits = self._mask_vocab_padding(output[0].float() / self.temperature)
         labels = torch.roll(input_ids, -1)
         token_logprobs = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None])[:, 0]
         lens = torch.tensor([len(s) for s in seqs], device=self.device)
