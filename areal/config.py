@@ -273,13 +273,22 @@ class ParallelConfig(_Section):
     _section: ClassVar[str] = "trainer.parallel"
 
     dp: int = 1
-    """Data-parallel trainer ranks (one torch.distributed world; 1 = no process group)."""
+    """Data-parallel replicas; the trainer world is tp * pp * dp ranks (1 = no process group)."""
+    tp: int = 1
+    """Tensor-parallel ranks per replica (trainer.backend=megatron; divides the heads)."""
+    pp: int = 1
+    """Pipeline stages per replica (trainer.backend=megatron, GPU only; divides the layers)."""
     timeout_s: float = 1800.0
     """Seconds a trainer rank waits in a collective (rank 0 fetching a batch included) before failing."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._positive("dp", "timeout_s")
+        self._positive("dp", "tp", "pp", "timeout_s")
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks: every data-parallel replica is tp * pp ranks."""
+        return self.tp * self.pp * self.dp
 
 
 @dataclass(kw_only=True)
@@ -310,10 +319,19 @@ class TrainerConfig(_Section):
     """Data parallelism of the trainer."""
     save_freq_steps: int = 0
     """Save a checkpoint every this many steps (0: only after the last step)."""
+    save_dtype: str = "bfloat16"
+    """dtype of the HF weights the megatron backend publishes (the torch backend keeps model.dtype)."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
         self._one_of("backend", ("torch", "megatron"))
+        self._one_of("save_dtype", ("float32", "bfloat16", "float16"))
+        par = self.parallel
+        if self.backend == "torch" and par.tp * par.pp > 1:
+            raise ConfigError(
+                f"trainer.parallel.tp={par.tp}, pp={par.pp} need trainer.backend=megatron: "
+                "the torch backend is data-parallel only"
+            )
         self._positive("batch_size", "lr", "adam_eps", "grad_clip", "num_threads")
         self._non_negative("weight_decay", "save_freq_steps")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

@@ -115,13 +115,14 @@ def plan_run(cfg):
             f"(inference GPUs / inference.tp_size; the config said {cfg.rollout.n_servers})"
         )
         cfg.rollout.n_servers = plan.n_servers
-    if plan.world_size != cfg.trainer.parallel.dp:
-        # Likewise the trainer ranks: one per training GPU.
+    par = cfg.trainer.parallel
+    if plan.world_size != par.world_size:
+        # Likewise the trainer ranks: one per training GPU, tp * pp of them per replica.
+        dp = plan.world_size // (par.tp * par.pp)
         print(
-            f"areal: trainer.parallel.dp={plan.world_size} "
-            f"(training GPUs; the config said {cfg.trainer.parallel.dp})"
+            f"areal: trainer.parallel.dp={dp} (training GPUs / (tp * pp); the config said {par.dp})"
         )
-        cfg.trainer.parallel.dp = plan.world_size
+        par.dp = dp
     return plan, alloc
 
 

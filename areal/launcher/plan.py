@@ -8,7 +8,8 @@
 With GPUs the split is by GPU, in node order, rounded down to whole servers, so that a
 server never spans two nodes and every node left over trains. Without GPUs (CPU tests) the
 split is by node: rollout.n_servers servers spread over the inference nodes and
-trainer.parallel.dp ranks over the training nodes; a single node runs everything.
+tp * pp * dp trainer ranks (trainer.parallel) over the training nodes; a single node runs
+everything. With GPUs every training GPU is a rank, and dp = training GPUs / (tp * pp).
 """
 
 from __future__ import annotations
@@ -151,6 +152,12 @@ def _gpu_split(cfg, nodes, gpus_per_node):
     # (node, GPUs, first GPU index on the node) of each server and each trainer rank.
     inference = [(node, tp, g) for node, g in slots[:n_inf] if g % tp == 0]
     trainers = [(node, 1, g) for node, g in slots[n_inf:]]
+    par = cfg.trainer.parallel
+    if len(trainers) % (par.tp * par.pp):
+        raise ConfigError(
+            f"{len(trainers)} training GPUs cannot hold replicas of trainer.parallel.tp * pp = "
+            f"{par.tp * par.pp} GPUs: change tp/pp, launcher.inference_fraction or the nodes"
+        )
     return inference, trainers, n_inf, total - n_inf
 
 
@@ -162,6 +169,6 @@ def _cpu_split(cfg, nodes):
         inf_nodes, train_nodes = nodes[:n], nodes[n:]
     servers = cfg.rollout.n_servers
     inference = [(inf_nodes[k % len(inf_nodes)], 0, 0) for k in range(servers)]
-    # trainer.parallel.dp ranks, spread over the training nodes in turn.
-    ranks = cfg.trainer.parallel.dp
+    # tp * pp * dp trainer ranks, spread over the training nodes in turn.
+    ranks = cfg.trainer.parallel.world_size
     return inference, [(train_nodes[r % len(train_nodes)], 0, 0) for r in range(ranks)]

@@ -1,6 +1,6 @@
 """Data parallelism of the trainer: one torch.distributed world of trainer ranks.
 
-    controller --get_batch--> rank 0 --broadcast(msgpack bytes)--> ranks 1..dp-1
+    controller --get_batch--> rank 0 --broadcast(msgpack bytes)--> ranks 1..world-1
     every rank: its share of each minibatch -> micro-batches -> backward
              -> all_reduce(grads, sum) -> clip -> optimizer step   (weights stay identical)
     rank 0 alone: weights_ready, metrics.jsonl, weights/vN, checkpoints
@@ -14,6 +14,8 @@ Launch contract (the local and SLURM launchers): each rank is
 `python -m areal.worker --role trainer --index RANK --exp-dir DIR` with the standard
 `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (and `LOCAL_RANK`) variables. With
 WORLD_SIZE unset or 1 there is no process group and every collective here is a no-op.
+With the megatron backend the world is tp * pp * dp ranks: the batch broadcast and the
+barrier span it, the reductions (gradients, counts, statistics) only the data-parallel group.
 
 Nothing is pickled between ranks: the batch travels as the wire format's msgpack bytes
 in a uint8 tensor, and statistics as float64 tensors.
@@ -34,16 +36,44 @@ from areal.comm import wire
 class DataParallel:
     """This rank's place in the trainer world, and the few collectives the trainer needs."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, device: torch.device | None = None):
+    def __init__(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device | None = None,
+        *,
+        group=None,
+        global_rank: int | None = None,
+        global_size: int | None = None,
+    ):
+        """rank/world_size: this rank among the data-parallel replicas, whose `group` (None:
+        the whole world) the reductions run over. With tensor or pipeline parallelism the
+        world is larger (global_size = tp * pp * dp) and the batch broadcast reaches all of it.
+        """
         assert 0 <= rank < world_size
         self.rank = rank
         self.world_size = world_size
+        self.group = group
+        self.global_rank = rank if global_rank is None else global_rank
+        self.global_size = world_size if global_size is None else global_size
         # NCCL reduces CUDA tensors only; gloo CPU tensors.
         self.device = device or torch.device("cpu")
 
+    def replicas(self, rank: int, world_size: int, group) -> DataParallel:
+        """The same world with reductions over the data-parallel group `group` only."""
+        return DataParallel(
+            rank,
+            world_size,
+            self.device,
+            group=group,
+            global_rank=self.global_rank,
+            global_size=self.global_size,
+        )
+
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """Global rank 0: talks to the controller, writes metrics and weights."""
+        return self.global_rank == 0
 
     @property
     def enabled(self) -> bool:
@@ -56,7 +86,9 @@ class DataParallel:
         if not self.enabled:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        dist.all_reduce(
+            t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group
+        )
         return t.tolist()
 
     def all_reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -71,13 +103,13 @@ class DataParallel:
         params = [p for p in params if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
         for p, part in zip(params, flat.split([g.numel() for g in grads]), strict=True):
             p.grad = part.view_as(p).clone()
 
     def broadcast_object(self, obj=None):
         """Rank 0's plain-data object (msgpack-able) on every rank: length first, then bytes."""
-        if not self.enabled:
+        if self.global_size == 1:
             return obj
         if self.is_main:
             body = wire.pack(obj)
@@ -123,26 +155,31 @@ class DataParallel:
         return out
 
     def barrier(self) -> None:
-        if self.enabled:
+        if self.global_size > 1:
             dist.barrier()
 
     def close(self) -> None:
-        if self.enabled and dist.is_initialized():
+        if self.global_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def init_data_parallel(dp: int, index: int, timeout_s: float) -> DataParallel:
+def init_data_parallel(
+    dp: int, index: int, timeout_s: float, model_parallel: int = 1
+) -> DataParallel:
     """Join the trainer world described by the launcher's environment variables.
 
-    `dp` is trainer.parallel.dp; `index` the role's --index. A mismatch between them and
-    the environment is a launcher mistake, reported with what to set.
+    `dp` is trainer.parallel.dp, `model_parallel` tp * pp (the world is their product);
+    `index` the role's --index. A mismatch between them and the environment is a launcher
+    mistake, reported with what to set. Without model parallelism the world is the
+    data-parallel group; with it, the backend narrows the reductions (`replicas`).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", str(index)))
-    if world_size != dp:
+    if world_size != dp * model_parallel:
+        mp = f" with tp * pp = {model_parallel}" if model_parallel > 1 else ""
         raise ValueError(
-            f"WORLD_SIZE={world_size} but trainer.parallel.dp={dp}: start exactly dp trainer "
-            "ranks, each with WORLD_SIZE=dp (unset WORLD_SIZE means 1)"
+            f"WORLD_SIZE={world_size} but trainer.parallel.dp={dp}{mp}: start exactly "
+            "tp * pp * dp trainer ranks, each with WORLD_SIZE set to that (unset means 1)"
         )
     if rank != index:
         raise ValueError(f"RANK={rank} but --index {index}: pass the rank as --index")

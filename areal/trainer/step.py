@@ -201,7 +201,7 @@ def train_step(
             stats["loss/ppo"] += loss.item() / n_minibatches
         # Clipping and the step come after the sum over ranks: every rank applies the same
         # update to the same weights.
-        dp.all_reduce_grads(backend.model.parameters())
+        backend.reduce_grads(dp)
         grad_norms.append(backend.optimizer_step())
 
     stats = dp.reduce_stats(stats)

@@ -93,6 +93,10 @@ class TorchBackend:
         keep[(cu_seqlens[1:] - 1).to(self.device)] = False
         return token_logprobs[keep]
 
+    def reduce_grads(self, dp) -> None:
+        """Sum gradients over the data-parallel ranks (a no-op without them)."""
+        dp.all_reduce_grads(self.model.parameters())
+
     def optimizer_step(self) -> float:
         """Clip, step, and reset gradients; returns the gradient norm before clipping."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)

@@ -1,6 +1,6 @@
 """The trainer worker: batch in, PPO update, weights out, one line of metrics.
 
-    controller --get_batch(i)--> trainer rank 0 --broadcast--> ranks 1..dp-1
+    controller --get_batch(i)--> trainer rank 0 --broadcast--> ranks 1..world-1
     every rank: proximal log-probs, advantages, minibatch updates on its share
     rank 0 --weights/v(i+1)/ + weights_ready(i+1)--> controller
 
@@ -31,13 +31,11 @@ from areal.trajectory import Trajectory
 from areal.weights import publish
 
 
-def make_backend(cfg, model_dir, device: torch.device | None = None):
-    if cfg.trainer.backend != "torch":
-        raise ValueError(f"trainer.backend={cfg.trainer.backend!r} is not available yet; use torch")
+def make_backend(cfg, model_dir, dp: DataParallel):
+    """The configured backend, and `dp` narrowed to its data-parallel group (megatron)."""
     t = cfg.trainer
     n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
-    return TorchBackend(
-        model_dir,
+    common = dict(
         lr=t.lr,
         weight_decay=t.weight_decay,
         betas=t.betas,
@@ -46,8 +44,31 @@ def make_backend(cfg, model_dir, device: torch.device | None = None):
         warmup_steps=int(t.warmup_steps_ratio * n_updates),
         dtype=cfg.model.dtype,
         temperature=cfg.rollout.temperature,
-        device=str(device) if device is not None and device.type == "cuda" else None,
     )
+    if t.backend == "torch":
+        device = str(dp.device) if dp.device.type == "cuda" else None
+        return TorchBackend(model_dir, device=device, **common), dp
+    if t.parallel.pp > 1:
+        raise ValueError(
+            "trainer.parallel.pp > 1 is not wired into the PPO step yet (Megatron's pipeline "
+            "schedules are GPU-only and need their own micro-batch loop); use tp and dp"
+        )
+    from megatron.core import parallel_state as ps  # lazy: the torch path never imports it
+
+    from areal.trainer.megatron.backend import MegatronBackend
+
+    backend = MegatronBackend(
+        model_dir,
+        tp=t.parallel.tp,
+        pp=t.parallel.pp,
+        save_dtype=t.save_dtype,
+        seed=cfg.seed,
+        **common,
+    )
+    replicas = dp.replicas(
+        ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+    )
+    return backend, replicas
 
 
 def staleness(trajs: list[Trajectory], version: int) -> list[int]:
@@ -77,7 +98,7 @@ def save_checkpoint(cfg, backend, controller: SyncRpcClient, version: int) -> No
 def run_trainer(cfg, key: bytes, index: int = 0) -> None:
     """One trainer rank; `index` is its rank in the trainer world (0 without parallelism)."""
     par = cfg.trainer.parallel
-    dp = init_data_parallel(par.dp, index, par.timeout_s)
+    dp = init_data_parallel(par.dp, index, par.timeout_s, model_parallel=par.tp * par.pp)
     try:
         _train(cfg, key, dp)
     finally:
@@ -96,7 +117,8 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
     # Every rank loads the same weights and optimizer state, so that identical summed
     # gradients keep them identical; rank 0 alone writes them back.
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
-    backend = make_backend(cfg, resume_from.model_dir if resume_from else cfg.model.path, dp.device)
+    model_dir = resume_from.model_dir if resume_from else cfg.model.path
+    backend, dp = make_backend(cfg, model_dir, dp)
     version = 0
     if resume_from:
         backend.load_state_dict(load_trainer_state(resume_from.path))
@@ -106,6 +128,13 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
             trajs = [Trajectory.from_wire(d) for d in _get_batch(None, version, dp)["trajectories"]]
             train_step(backend, trajs, dp=dp, **_step_args(cfg, step))
             version += 1
+            if getattr(backend, "collective_save", False):
+                # Model-parallel ranks hold slices of the weights rank 0 publishes: they take
+                # part in every save_hf of rank 0 (publish, and checkpoints).
+                backend.save_hf(None)
+                freq = cfg.trainer.save_freq_steps
+                if version == cfg.total_train_steps or (freq and version % freq == 0):
+                    backend.save_hf(None)
         dp.barrier()  # rank 0 may still be writing the last checkpoint
         return
     wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers

@@ -1,0 +1,257 @@
+"""MegatronBackend: the TorchBackend interface over a megatron-core GPTModel.
+
+    trainer/step.py --logprobs(seqs)--> packed forward --> per-token log-probs (TP-reduced)
+                    --loss.backward()--> reduce_grads(dp) --> optimizer_step()
+
+Two paths behind one interface, chosen by what the machine has:
+
+| piece      | CPU (tests, tiny runs)                 | GPU                                    |
+|------------|----------------------------------------|----------------------------------------|
+| layers     | local spec, explicit block-causal mask | TE spec, packed THD sequences (if TE)  |
+| parameters | model.dtype                            | model.dtype (bf16) in Float16Module    |
+| gradients  | DataParallel.all_reduce_grads (DP grp) | Megatron DDP, fp32 grad buffers        |
+| optimizer  | torch AdamW, TP-aware clip             | get_megatron_optimizer (fp32 master)   |
+
+The micro-batch loop stays the shared one of step.py on both paths. Pipeline parallelism
+(pp > 1) needs Megatron's schedules, which are CUDA-only: see gpu.forward_backward_pipelined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal.trainer.batching import pack_sequences
+from areal.trainer.megatron import cuda_redirect
+from areal.trainer.megatron.model import (
+    _DTYPES,
+    build_gpt_model,
+    has_transformer_engine,
+    read_hf_config,
+)
+from areal.trainer.megatron.weights_io import load_hf, save_hf
+
+
+def init_model_parallel(tp: int, pp: int) -> None:
+    """Megatron's TP/PP/DP groups over the current world (a world of one if there is none)."""
+    from megatron.core import parallel_state as ps
+
+    cuda_redirect.apply()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tp, pp)
+
+
+class MegatronBackend:
+    """Owns this rank's model slice and optimizer; same methods as TorchBackend."""
+
+    collective_save = True  # every rank of the saving model-parallel group calls save_hf
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        lr: float,
+        weight_decay: float,
+        betas: Sequence[float],
+        adam_eps: float,
+        grad_clip: float,
+        warmup_steps: int,
+        dtype: str = "float32",
+        save_dtype: str = "bfloat16",
+        temperature: float = 1.0,
+        seed: int = 1,
+    ):
+        from megatron.core import parallel_state as ps
+
+        self.model_dir = Path(model_dir)
+        _, self.shape = read_hf_config(self.model_dir)
+        init_model_parallel(tp, pp)
+        cuda_redirect.seed(seed)
+        self.tp, self.pp = tp, pp
+        tp_rank, stage = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.layout = (tp, tp_rank, pp, stage)
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cpu")
+        if self.on_gpu:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.packed_thd = has_transformer_engine()
+        self.gpt = build_gpt_model(self.shape, tp, pp, dtype)
+        load_hf(self.gpt, self.model_dir, self.shape, self.layout)
+        self.temperature, self.grad_clip = temperature, grad_clip
+        self.save_dtype = _DTYPES[save_dtype]
+        self.lr, self.warmup_steps, self.n_steps = lr, warmup_steps, 0
+        opt = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=adam_eps)
+        if self.on_gpu:
+            from areal.trainer.megatron.gpu import wrap_for_gpu
+
+            self.model, self.optimizer = wrap_for_gpu(self.gpt, dtype, grad_clip, **opt)
+        else:
+            self.model = self.gpt
+            self.optimizer = torch.optim.AdamW(self.gpt.parameters(), **opt)
+        self._set_lr()
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def _packed_forward(self, seqs: Sequence[Sequence[int]], model=None):
+        """(model output [1, T, ...], token ids [T], extra kwargs) of the packed stream: the
+        vocab-parallel logits on the last PP stage, hidden states on the others."""
+        input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
+        input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
+        kwargs = {}
+        if self.packed_thd:
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = cu_seqlens.to(self.device, torch.int32)
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            kwargs["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=longest,
+                max_seqlen_kv=longest,
+            )
+            mask = None
+        else:
+            # Local attention needs an explicit mask; True = masked out (Megatron's convention).
+            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(self.device)
+            seg = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), lens)
+            n = len(input_ids)
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            mask = ~((seg[:, None] == seg[None, :]) & causal)[None, None]
+        model = model if model is not None else self.model
+        output = model(input_ids[None], position_ids[None], mask, **kwargs)
+        return output, input_ids, kwargs
+
+    def _forward(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vocab-parallel logits [T, V/tp] of the packed stream, and its token ids [T]."""
+        if self.pp > 1:
+            raise NotImplementedError(
+                "with trainer.parallel.pp > 1 only the last stage has logits: run micro-batches "
+                "through gpu.forward_backward_pipelined (Megatron's schedules, GPU only)"
+            )
+        output, input_ids, _ = self._packed_forward(seqs)
+        return output[0], input_ids
+
+    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """Padded vocab rows (a multiple of tp) are no token: -inf before the softmax."""
+        per_rank = logits.shape[-1]
+        start = self.layout[1] * per_rank
+        n_real = min(max(self.shape.vocab_size - start, 0), per_rank)
+        if n_real == per_rank:
+            return logits
+        pad = torch.arange(per_rank, device=logits.device) >= n_real
+        return logits.masked_fill(pad, float("-inf"))
+
+    def logprobs(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Log-probs of every next token of every sequence, as one stream (L-1 per sequence)."""
+        logits, input_ids = self._forward(seqs)
+        return self._token_logprobs(logits[None], input_ids, seqs)
+
+    def _token_logprobs(self, output, input_ids, seqs) -> torch.Tensor:
+        """Next-token log-probs from vocab-parallel logits [1, T, V/tp], reduced over TP."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = self._mask_vocab_padding(output[0].float() / self.temperature)
+        labels = torch.roll(input_ids, -1)
+        token_logprobs = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None])[:, 0]
+        lens = torch.tensor([len(s) for s in seqs], device=self.device)
+        keep = torch.ones(len(input_ids), dtype=torch.bool, device=self.device)
+        keep[torch.cumsum(lens, 0) - 1] = False  # the last position predicts the next sequence
+        return token_logprobs[keep]
+
+    @torch.no_grad()
+    def logits(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Full-vocabulary logits [T, V] of the packed stream (for checks against HF)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        logits, _ = self._forward(seqs)
+        return gather_from_tensor_model_parallel_region(logits)[:, : self.shape.vocab_size]
+
+    # ---- update -------------------------------------------------------------------------
+
+    def reduce_grads(self, dp) -> None:
+        """Sum gradients over the data-parallel group (the loss is already normalised)."""
+        if self.on_gpu:
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.model])
+        else:
+            dp.all_reduce_grads(self.gpt.parameters())
+
+    def _set_lr(self) -> None:
+        # Constant learning rate after a linear warm-up (paper, appendix A).
+        lr = self.lr * min(1.0, (self.n_steps + 1) / max(1, self.warmup_steps))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def optimizer_step(self) -> float:
+        """Clip, step, and reset gradients; returns the gradient norm before clipping."""
+        if self.on_gpu:
+            _, norm, _ = self.optimizer.step()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        else:
+            norm = clip_grad_norm(list(self.gpt.parameters()), self.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.n_steps += 1
+        self._set_lr()
+        return float(norm or 0.0)
+
+    # ---- weights and state --------------------------------------------------------------
+
+    def save_hf(self, out_dir: str | Path | None) -> None:
+        """Write an HF directory at out_dir; every rank of the model-parallel group calls it
+        (ranks other than global rank 0 pass None and only contribute their slices)."""
+        save_hf(self.gpt, out_dir, self.shape, self.layout, self.model_dir, self.save_dtype)
+
+    def state_dict(self) -> dict:
+        """Rank 0's optimizer state: the whole of it only when tp = pp = 1 (see load)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "n_steps": self.n_steps,
+            "model_parallel": self.tp * self.pp,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("model_parallel", 1) > 1 or self.tp * self.pp > 1:
+            raise ValueError(
+                "resuming the megatron backend with trainer.parallel.tp * pp > 1 is not "
+                "implemented (only rank 0's optimizer slice is checkpointed): resume with "
+                "tp = pp = 1, or start afresh from the published weights/vN as model.path"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.n_steps = state["n_steps"]
+        self._set_lr()
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip by the global norm of the full (unsharded) gradient across TP and PP ranks.
+
+    A TP-split parameter contributes its slice on every TP rank; a replicated one (norms)
+    only once, from TP rank 0, or the norm would count it tp times.
+    """
+    from megatron.core import parallel_state as ps
+
+    grads = [p.grad for p in params if p.grad is not None]
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    if ps.get_model_parallel_group().size() > 1:
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+    norm = sq.sqrt().float()
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return norm

@@ -1,0 +1,130 @@
+"""HF safetensors into this rank's Megatron shards, and all shards back out as HF files.
+
+    load: every rank reads only the HF tensors of its own slices (shared storage), one at a time
+    save: per PP stage, per parameter: all_gather over TP -> the stage's TP rank 0 converts
+          -> send to global rank 0 (stage 0 is rank 0 itself) -> HFWriter, one shard at a time
+
+Only the model-parallel group of data-parallel rank 0 saves: the other replicas hold the
+same weights. The whole group must call `save_hf` together.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from areal.trainer.megatron.convert import (
+    HFReader,
+    HFWriter,
+    canonical,
+    hf_shapes,
+    hf_sources,
+    stage_names,
+    to_hf,
+    to_megatron,
+)
+from areal.trainer.megatron.model import Qwen2Shape
+
+_COPIED = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _params(model) -> dict[str, torch.nn.Parameter]:
+    return {canonical(n): p for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_hf(model, model_dir: str | Path, shape: Qwen2Shape, layout) -> None:
+    """Copy this rank's slices of the HF checkpoint into `model` (a bare GPTModel)."""
+    tp, tp_rank, pp, stage = layout
+    reader = HFReader(model_dir, shape)
+    params = _params(model)
+    names = stage_names(shape, pp, stage)
+    assert sorted(names) == sorted(params), (sorted(names), sorted(params))
+    for name in names:
+        hf = [reader.get(s) for s in hf_sources(name, shape, pp, stage)]
+        value = to_megatron(name, hf, shape, tp, tp_rank)
+        assert value.shape == params[name].shape, (name, value.shape, params[name].shape)
+        params[name].copy_(value)
+
+
+@torch.no_grad()
+def save_hf(model, out_dir, shape: Qwen2Shape, layout, source_dir, dtype: torch.dtype) -> None:
+    """Write the model as an HF directory at out_dir (global rank 0 writes; see module doc)."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank, pp, stage = layout
+    if ps.get_data_parallel_rank() != 0:
+        return
+    is_writer = dist.get_rank() == 0 if dist.is_initialized() else True
+    assert not is_writer or (stage == 0 and tp_rank == 0)
+    writer = HFWriter(out_dir, dtype) if is_writer else None
+    params = _params(model)
+    expected = hf_shapes(shape)
+    tp_group = ps.get_tensor_model_parallel_group()
+    for s in range(pp):
+        for name in stage_names(shape, pp, s):
+            hf: dict[str, torch.Tensor] = {}
+            if s == stage:
+                local = params[name].detach()
+                slices = [local]
+                if tp > 1:
+                    slices = [torch.empty_like(local) for _ in range(tp)]
+                    dist.all_gather(slices, local.contiguous(), group=tp_group)
+                if tp_rank == 0:
+                    hf = to_hf(name, [x.cpu() for x in slices], shape, pp, s)
+            if s == 0:
+                if is_writer:
+                    for k, v in hf.items():
+                        writer.add(k, v)
+                continue
+            # Later stages stream each HF tensor to rank 0, in stage_names order on both sides.
+            if s == stage and tp_rank == 0:
+                for v in hf.values():
+                    dist.send(v.to(params[name].device).contiguous(), dst=0)
+            elif is_writer:
+                dummy = {} if name == "output_layer.weight" and shape.tie_word_embeddings else None
+                for k in hf_sources(name, shape, pp, s) if dummy is None else []:
+                    buf = torch.empty(expected[k], dtype=params_dtype(model), device=_dev(model))
+                    dist.recv(buf, src=_stage_rank0(s))
+                    writer.add(k, buf)
+    if writer is not None:
+        writer.close()
+        _write_config(Path(out_dir), Path(source_dir), dtype)
+
+
+def params_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _dev(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _stage_rank0(stage: int) -> int:
+    """Global rank of (tp 0, dp 0) on a PP stage: Megatron's default order puts PP outermost."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_global_ranks()[stage]
+
+
+def _write_config(out: Path, source: Path, dtype: torch.dtype) -> None:
+    """The source's config.json with the written dtype, and its tokenizer files."""
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = _DTYPE_NAMES[dtype]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in _COPIED:
+        if (source / name).exists():
+            shutil.copy2(source / name, out / name)

@@ -1,0 +1,136 @@
+"""Trainer model-FLOPs utilisation: the megatron backend against the torch backend.
+
+    python benchmarks/megatron_mfu.py [--tokens 8192] [--seq-len 1024] [--repeats 3]
+
+One PPO-style update (packed forward, log-probs, backward, optimizer step) of a Qwen2 model
+with random weights, the same packed sequences for both backends, in this one process:
+
+- GPU: the DeepSeek-R1-Distill-Qwen-1.5B shape in bf16 (megatron: bf16 params, fp32 grads
+  and Adam states; torch: bf16 transformers model, AdamW); MFU against the card's dense
+  bf16 peak (--peak-tflops, or a table of known cards).
+- CPU: a tiny shape in fp32, said so on the first line; MFU is printed against
+  --peak-tflops only if given (there is no meaningful CPU peak to assume).
+
+Model FLOPs per token = 6 * parameters + 12 * layers * hidden * seq_len / 2 (causal
+attention; no recomputation counted). Medians of the repeats, the variants interleaved.
+The last line is the ratio megatron / torch of tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def qwen2_config(on_gpu: bool) -> Qwen2Config:
+    if on_gpu:  # DeepSeek-R1-Distill-Qwen-1.5B
+        return Qwen2Config(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        )
+    return Qwen2Config(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+
+
+def peak_tflops(arg: float | None) -> float | None:
+    if arg or not torch.cuda.is_available():
+        return arg
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def one_update(backend, seqs) -> float:
+    """Seconds of forward + log-probs + backward + reduction + optimizer step."""
+    from areal.trainer.parallel import DataParallel
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    lp = backend.logprobs(seqs)
+    (-lp.float().mean()).backward()
+    backend.reduce_grads(DataParallel())
+    backend.optimizer_step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per update")
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    on_gpu = torch.cuda.is_available()
+    seq_len = args.seq_len or (1024 if on_gpu else 128)
+    n_tokens = args.tokens or (8192 if on_gpu else 512)
+    dtype = "bfloat16" if on_gpu else "float32"
+    cfg = qwen2_config(on_gpu)
+    where = torch.cuda.get_device_name() if on_gpu else "CPU (tiny shape, not the 1.5B one)"
+    print(f"device: {where}; {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {dtype}")
+    from areal.trainer.megatron.backend import MegatronBackend
+    from areal.trainer.torch_backend import TorchBackend
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    seqs = [
+        torch.randint(0, cfg.vocab_size, (seq_len,), generator=g).tolist()
+        for _ in range(n_tokens // seq_len)
+    ]
+    opt = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0)
+    with tempfile.TemporaryDirectory() as d:
+        with torch.device("cpu"):
+            Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(d)
+        n_params = (
+            sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters()) if not on_gpu else None
+        )
+        backends = {
+            "megatron": MegatronBackend(d, warmup_steps=0, dtype=dtype, **opt),
+            "torch": TorchBackend(d, warmup_steps=0, dtype=dtype, **opt),
+        }
+        n_params = sum(p.numel() for p in backends["torch"].model.parameters())
+        times = {k: [] for k in backends}
+        for b in backends.values():
+            one_update(b, seqs)  # warm-up: kernels, allocator, optimizer states
+        for _ in range(args.repeats):
+            for k, b in backends.items():
+                times[k].append(one_update(b, seqs))
+    flops_per_token = 6 * n_params + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+    peak = peak_tflops(args.peak_tflops)
+    rate = {}
+    for k, ts in times.items():
+        rate[k] = n_tokens / statistics.median(ts)
+        mfu = rate[k] * flops_per_token / (peak * 1e12) if peak else None
+        mfu_s = f"MFU {100 * mfu:5.1f}% of {peak:.0f} TFLOP/s" if mfu else "MFU n/a (no peak)"
+        tflops = rate[k] * flops_per_token / 1e12
+        print(f"{k:9s} {rate[k]:10.1f} tokens/s  {tflops:8.3f} TFLOP/s  {mfu_s}")
+    print(f"megatron / torch: {rate['megatron'] / rate['torch']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
