@@ -107,7 +107,7 @@ def test_the_tied_embedding_copies_stay_equal(runs):
 
 def test_a_run_with_two_pipeline_stages(tmp_path):
     """The launcher starts tp * pp * dp = 2 trainer ranks; the run exits 0 with metrics."""
-    steps = 8
+    steps = 4
     proc = run_train(
         tmp_path,
         f"total_train_steps={steps}",

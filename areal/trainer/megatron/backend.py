@@ -165,6 +165,8 @@ class MegatronBackend:
         every rank; with pp > 1 through a pipeline schedule (see the module table)."""
         if self.pp == 1:
             return forward_backward_loop(self.logprobs, micro_batches, loss_fn)
+        if not micro_batches:  # the same on every stage of this pipeline: all skip
+            return []
         if self.on_gpu:
             from areal.trainer.megatron.gpu import forward_backward_pipelined
 
@@ -290,7 +292,9 @@ class MegatronBackend:
         """
         from megatron.core import parallel_state as ps
 
-        directory = broadcast_plain(None if directory is None else str(directory), src=0)
+        directory = broadcast_plain(
+            None if directory is None else str(directory), src=0, device=self.device
+        )
         state = self._optimizer_state()
         if ps.get_data_parallel_rank() == 0:
             save_rank_state(Path(directory), self._optimizer_file(), state)
