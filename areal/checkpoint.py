@@ -5,10 +5,12 @@ stopped without training on any sample twice.
         model/                 HF directory (the policy after 20 updates)
         optimizer.safetensors  optimizer and scheduler tensors
         trainer.json           everything else of the trainer's state
+        optimizer-tp0-pp0.*    (megatron) each model-parallel rank's own optimizer state
         controller.msgpack     dataset position, prompts to generate again, ready groups
 
-Written as `v000020.tmp/` and renamed once both roles have written their part, so a crash
-mid-save leaves the previous checkpoint as the latest. Nothing is pickled: the directory
+Written as `v000020.tmp/` and renamed once both roles (and every model-parallel trainer
+rank) have written their part, so a crash mid-save leaves the previous checkpoint as the
+latest. Nothing is pickled: the directory
 is shared storage, and a checkpoint must be safe to load from anyone's experiment.
 """
 
@@ -66,15 +68,39 @@ def save(exp_dir: str | Path, version: int, write: Callable[[Path], None]) -> Ch
 
 
 # ---- tensors apart from structure: safetensors + JSON instead of pickle ----------------------
+def _key(k):
+    """A dict key as JSON: Megatron's optimizer state is keyed by ints and (dtype, dtype)."""
+    if isinstance(k, torch.dtype):
+        return {"__dtype__": str(k).removeprefix("torch.")}
+    if isinstance(k, tuple):
+        return {"__tuple__": [_key(x) for x in k]}
+    return k
+
+
+def _unkey(k):
+    if isinstance(k, dict) and "__dtype__" in k:
+        return getattr(torch, k["__dtype__"])
+    if isinstance(k, dict) and "__tuple__" in k:
+        return tuple(_unkey(x) for x in k["__tuple__"])
+    return k
+
+
 def _split(obj, tensors: dict[str, torch.Tensor], prefix: str):
     if isinstance(obj, torch.Tensor):
         tensors[prefix] = obj.detach().cpu().contiguous()
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
-        # JSON keys are strings: remember the int keys of optimizer state.
-        return {"__dict__": [[k, _split(v, tensors, f"{prefix}.{k}")] for k, v in obj.items()]}
+        # JSON keys are strings: remember the int (and dtype) keys of optimizer state.
+        return {
+            "__dict__": [
+                [_key(k), _split(v, tensors, f"{prefix}.{n}")]
+                for n, (k, v) in enumerate(obj.items())
+            ]
+        }
     if isinstance(obj, (list, tuple)):
         return [_split(v, tensors, f"{prefix}.{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, torch.dtype):
+        return _key(obj)
     return obj
 
 
@@ -82,19 +108,40 @@ def _join(obj, tensors: dict[str, torch.Tensor]):
     if isinstance(obj, dict) and "__tensor__" in obj:
         return tensors[obj["__tensor__"]]
     if isinstance(obj, dict) and "__dict__" in obj:
-        return {k: _join(v, tensors) for k, v in obj["__dict__"]}
+        return {_unkey(k): _join(v, tensors) for k, v in obj["__dict__"]}
+    if isinstance(obj, dict) and "__dtype__" in obj:
+        return _unkey(obj)
     if isinstance(obj, list):
         return [_join(v, tensors) for v in obj]
     return obj
 
 
-def save_trainer_state(directory: Path, state: dict) -> None:
+def _save(directory: Path, tensors_name: str, tree_name: str, state: dict) -> None:
     tensors: dict[str, torch.Tensor] = {}
     tree = _split(state, tensors, "s")
-    save_file(tensors, str(directory / _OPTIMIZER_TENSORS))
-    (directory / _TRAINER_STATE).write_text(json.dumps(tree))
+    save_file(tensors, str(directory / tensors_name))
+    (directory / tree_name).write_text(json.dumps(tree))
+
+
+def _load(directory: Path, tensors_name: str, tree_name: str) -> dict:
+    tensors = load_file(str(directory / tensors_name))
+    return _join(json.loads((directory / tree_name).read_text()), tensors)
+
+
+def save_trainer_state(directory: Path, state: dict) -> None:
+    _save(directory, _OPTIMIZER_TENSORS, _TRAINER_STATE, state)
 
 
 def load_trainer_state(directory: Path) -> dict:
-    tensors = load_file(str(directory / _OPTIMIZER_TENSORS))
-    return _join(json.loads((directory / _TRAINER_STATE).read_text()), tensors)
+    return _load(directory, _OPTIMIZER_TENSORS, _TRAINER_STATE)
+
+
+def save_rank_state(directory: Path, name: str, state: dict) -> None:
+    """One trainer rank's own part (e.g. name="optimizer-tp1-pp0"): name.safetensors/.json."""
+    _save(directory, f"{name}.safetensors", f"{name}.json", state)
+
+
+def load_rank_state(directory: Path, name: str) -> dict:
+    if not (directory / f"{name}.json").exists():
+        raise ValueError(f"{directory} has no {name}.json: the checkpoint lacks this rank's part")
+    return _load(directory, f"{name}.safetensors", f"{name}.json")

@@ -277,7 +277,7 @@ class ParallelConfig(_Section):
     tp: int = 1
     """Tensor-parallel ranks per replica (trainer.backend=megatron; divides the heads)."""
     pp: int = 1
-    """Pipeline stages per replica (trainer.backend=megatron, GPU only; divides the layers)."""
+    """Pipeline stages per replica (trainer.backend=megatron; divides the layers)."""
     timeout_s: float = 1800.0
     """Seconds a trainer rank waits in a collective (rank 0 fetching a batch included) before failing."""  # noqa: E501
 

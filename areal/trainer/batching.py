@@ -6,7 +6,7 @@ instead of a fixed count, so short sequences share a forward pass and no token i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -67,3 +67,29 @@ def pack_sequences(
     input_ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
     position_ids = torch.cat([torch.arange(n) for n in lens.tolist()]) if seqs else input_ids
     return input_ids, position_ids, cu_seqlens
+
+
+LossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+def forward_backward_loop(
+    logprobs: Callable[[Sequence[Sequence[int]]], torch.Tensor],
+    micro_batches: Sequence[Sequence[Sequence[int]]],
+    loss_fn: LossFn | None = None,
+) -> list:
+    """The plain micro-batch loop behind `backend.forward_backward` (no pipeline stages).
+
+    Without loss_fn (forward only): each micro-batch's log-prob stream, without gradients
+    (float32, CPU). With loss_fn: log-probs -> loss_fn(k, log-probs of micro-batch k) ->
+    (loss, stats) -> loss.backward(), gradients accumulating; returns each one's stats.
+    """
+    results = []
+    for k, seqs in enumerate(micro_batches):
+        if loss_fn is None:
+            with torch.no_grad():
+                results.append(logprobs(seqs).float().cpu())
+            continue
+        loss, stats = loss_fn(k, logprobs(seqs))
+        loss.backward()
+        results.append(stats)
+    return results

@@ -108,21 +108,10 @@ class DataParallel:
             p.grad = part.view_as(p).clone()
 
     def broadcast_object(self, obj=None):
-        """Rank 0's plain-data object (msgpack-able) on every rank: length first, then bytes."""
+        """Rank 0's plain-data object (msgpack-able) on every rank of the trainer world."""
         if self.global_size == 1:
             return obj
-        if self.is_main:
-            body = wire.pack(obj)
-            size = torch.tensor([len(body)], dtype=torch.int64, device=self.device)
-        else:
-            size = torch.zeros(1, dtype=torch.int64, device=self.device)
-        dist.broadcast(size, src=0)
-        if self.is_main:
-            buf = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(self.device)
-        else:
-            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(buf, src=0)
-        return obj if self.is_main else wire.unpack(buf.cpu().numpy().tobytes())
+        return broadcast_plain(obj, src=0, device=self.device)
 
     # ---- splitting the work --------------------------------------------------------------
 
@@ -161,6 +150,25 @@ class DataParallel:
     def close(self) -> None:
         if self.global_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def broadcast_plain(obj, src: int, group=None, device: torch.device | None = None):
+    """Global rank `src`'s plain-data object (msgpack-able) on every rank of `group` (None:
+    the world): its length first, then its bytes."""
+    device = device or torch.device("cpu")
+    is_src = dist.get_rank() == src
+    if is_src:
+        body = wire.pack(obj)
+        size = torch.tensor([len(body)], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if is_src:
+        buf = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return obj if is_src else wire.unpack(buf.cpu().numpy().tobytes())
 
 
 def init_data_parallel(

@@ -8,6 +8,10 @@ batch of B*G trajectories
        -> dynamic micro-batches, as many on every rank
        -> decoupled PPO loss / valid tokens of the whole minibatch on all ranks
        -> backward -> gradients summed over ranks -> clip -> one optimizer step
+
+The backend runs the micro-batches (`backend.forward_backward(micro_batches, loss_fn)`):
+a plain loop, or a pipeline schedule whose last stage calls loss_fn. Either way every
+rank gets the results (log-probs, or each micro-batch's loss statistics).
 """
 
 from __future__ import annotations
@@ -88,8 +92,9 @@ def _micro_batches(seqs, idx: list[int], max_tokens_per_mb: int, min_n_mbs: int)
 def proximal_logprobs(backend, seqs, max_tokens_per_mb: int) -> list[torch.Tensor]:
     """Log-probs of every sequence under the current weights, one tensor per sequence."""
     result: list[torch.Tensor | None] = [None] * len(seqs)
-    for mb in _micro_batches(seqs, list(range(len(seqs))), max_tokens_per_mb, 1):
-        stream = backend.logprobs([seqs[i] for i in mb]).float().cpu()
+    mbs = _micro_batches(seqs, list(range(len(seqs))), max_tokens_per_mb, 1)
+    streams = backend.forward_backward([[seqs[i] for i in mb] for mb in mbs])  # forward only
+    for mb, stream in zip(mbs, streams, strict=True):
         for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
             result[i] = part
     return result
@@ -165,6 +170,7 @@ def train_step(
     if use_decoupled_loss and version is not None:
         stats.update(_fresh_tokens_check(tokens, mine, version))
     grad_norms = []
+    spec = (max_tokens_per_mb, min_n_mbs)
     for minibatch, share in zip(minibatches, shares, strict=True):
         if not minibatch:
             continue
@@ -178,13 +184,13 @@ def train_step(
             for i in share
         )
         (n_valid,) = dp.all_reduce([n_local], "sum")
-        for mb in _equal_micro_batches(seqs, share, (max_tokens_per_mb, min_n_mbs), dp):
-            if not mb:
-                continue
-            logprobs = backend.logprobs([seqs[i] for i in mb])
+        # Empty micro-batches (padding for data parallelism) run nothing.
+        mbs = [mb for mb in _equal_micro_batches(seqs, share, spec, dp) if mb]
+
+        def loss_fn(k: int, logprobs: torch.Tensor, mbs=mbs, n_valid=n_valid):
             cat = {
-                k: torch.cat([tokens[i][k] for i in mb]).to(logprobs.device)
-                for k in ("mask", "behav", "adv", "prox")
+                key: torch.cat([tokens[i][key] for i in mbs[k]]).to(logprobs.device)
+                for key in ("mask", "behav", "adv", "prox")
             }
             loss, mb_stats = decoupled_ppo_loss(
                 logprobs,
@@ -196,9 +202,10 @@ def train_step(
                 behav_imp_weight_cap=behav_imp_weight_cap,
                 n_valid_tokens=max(n_valid, 1),
             )
-            loss.backward()
+            return loss, {**mb_stats, "loss/ppo": loss.item() / n_minibatches}
+
+        for mb_stats in backend.forward_backward([[seqs[i] for i in mb] for mb in mbs], loss_fn):
             _accumulate(stats, mb_stats)
-            stats["loss/ppo"] += loss.item() / n_minibatches
         # Clipping and the step come after the sum over ranks: every rank applies the same
         # update to the same weights.
         backend.reduce_grads(dp)

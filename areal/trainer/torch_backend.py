@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from areal.trainer.batching import pack_sequences
+from areal.trainer.batching import LossFn, forward_backward_loop, pack_sequences
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = (
@@ -92,6 +92,12 @@ class TorchBackend:
         keep = torch.ones(len(input_ids), dtype=torch.bool, device=self.device)
         keep[(cu_seqlens[1:] - 1).to(self.device)] = False
         return token_logprobs[keep]
+
+    def forward_backward(
+        self, micro_batches: Sequence[Sequence[Sequence[int]]], loss_fn: LossFn | None = None
+    ) -> list:
+        """The plain micro-batch loop (batching.forward_backward_loop) over self.logprobs."""
+        return forward_backward_loop(self.logprobs, micro_batches, loss_fn)
 
     def reduce_grads(self, dp) -> None:
         """Sum gradients over the data-parallel ranks (a no-op without them)."""

@@ -48,11 +48,6 @@ def make_backend(cfg, model_dir, dp: DataParallel):
     if t.backend == "torch":
         device = str(dp.device) if dp.device.type == "cuda" else None
         return TorchBackend(model_dir, device=device, **common), dp
-    if t.parallel.pp > 1:
-        raise ValueError(
-            "trainer.parallel.pp > 1 is not wired into the PPO step yet (Megatron's pipeline "
-            "schedules are GPU-only and need their own micro-batch loop); use tp and dp"
-        )
     from megatron.core import parallel_state as ps  # lazy: the torch path never imports it
 
     from areal.trainer.megatron.backend import MegatronBackend
@@ -85,14 +80,36 @@ def last_time(metrics_path: Path) -> float:
 
 
 def save_checkpoint(cfg, backend, controller: SyncRpcClient, version: int) -> None:
-    """Trainer and controller state of `version`, committed together."""
+    """Trainer and controller state of `version`, committed together (global rank 0)."""
 
     def write(directory: Path) -> None:
-        backend.save_hf(directory / "model")
-        save_trainer_state(directory, backend.state_dict())
+        write_trainer_part(backend, directory)
         controller.call("save_state", path=str(directory / CONTROLLER_STATE))
 
     checkpoint.save(cfg.exp_dir, version, write)
+
+
+def write_trainer_part(backend, directory: Path | None) -> None:
+    """The trainer's part of a checkpoint. With a model-parallel backend every rank calls
+    it at the same step (directory None on ranks > 0): they contribute weight slices and
+    write their own optimizer files before global rank 0 returns and commits."""
+    collective = getattr(backend, "collective_save", False)
+    if directory is None:
+        assert collective
+        backend.save_hf(None)
+        backend.save_optimizer(None)
+        return
+    backend.save_hf(directory / "model")
+    if collective:
+        backend.save_optimizer(directory)
+    save_trainer_state(directory, backend.state_dict())
+
+
+def load_trainer_part(backend, directory: Path) -> None:
+    """Every rank: the state write_trainer_part saved."""
+    backend.load_state_dict(load_trainer_state(directory))
+    if getattr(backend, "collective_save", False):
+        backend.load_optimizer(directory)
 
 
 def run_trainer(cfg, key: bytes, index: int = 0) -> None:
@@ -121,7 +138,7 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
     backend, dp = make_backend(cfg, model_dir, dp)
     version = 0
     if resume_from:
-        backend.load_state_dict(load_trainer_state(resume_from.path))
+        load_trainer_part(backend, resume_from.path)
         version = resume_from.version
     if not dp.is_main:
         for step in range(version, cfg.total_train_steps):
@@ -134,7 +151,7 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
                 backend.save_hf(None)
                 freq = cfg.trainer.save_freq_steps
                 if version == cfg.total_train_steps or (freq and version % freq == 0):
-                    backend.save_hf(None)
+                    write_trainer_part(backend, None)
         dp.barrier()  # rank 0 may still be writing the last checkpoint
         return
     wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers

@@ -75,6 +75,10 @@ def _single_main(rank: int, model_dir: str, out_dir: str, port: int) -> None:
     info["n_params"] = len(params)
     opt_state = b.optimizer.state_dict()
     info["has_opt_state"] = bool(opt_state)
+    # The checkpoint's optimizer file: Megatron's DP-sharded state, gathered and reloaded.
+    b.save_optimizer(out)
+    b.load_optimizer(out)
+    info["optimizer_files"] = sorted(p.name for p in out.glob("optimizer-*"))
     save_file({"packed": packed.cpu(), "alone": alone.cpu()}, out / "lp.safetensors")
     (out / "info.json").write_text(json.dumps(info))
     dist.destroy_process_group()
@@ -95,6 +99,7 @@ def test_bf16_params_fp32_grads_packed_sequences_and_bf16_weights_out(model_dir,
     # (bf16 may round a small step of a norm weight away: not every tensor must move)
     assert info["grad_norm"] > 0 and info["changed"] > 0
     assert info["has_opt_state"]
+    assert info["optimizer_files"] == ["optimizer-tp0-pp0.json", "optimizer-tp0-pp0.safetensors"]
     lp = load_file(tmp_path / "lp.safetensors")
     assert torch.allclose(lp["packed"], lp["alone"], atol=5e-2, rtol=0)  # bf16 kernels
     # bf16 out by default; the tiny model's fp32 weights rounded once to bf16.
@@ -108,7 +113,6 @@ def test_bf16_params_fp32_grads_packed_sequences_and_bf16_weights_out(model_dir,
 def _pp_main(rank: int, model_dir: str, out_dir: str, port: int) -> None:
     from megatron.core import parallel_state as ps
 
-    from areal.trainer.megatron.gpu import forward_backward_pipelined
     from areal.trainer.parallel import init_data_parallel
 
     _join(rank, 2, port)
@@ -116,9 +120,10 @@ def _pp_main(rank: int, model_dir: str, out_dir: str, port: int) -> None:
     try:
         b = _backend(model_dir, pp=2)
         mbs = [SEQS[:2], SEQS[2:]]
-        fwd = forward_backward_pipelined(b, mbs, lambda k, lp: lp.float().sum(), forward_only=True)
+        with torch.no_grad():
+            fwd = b.forward_backward(mbs)  # forward only: log-prob streams on every stage
         b.save_hf(Path(out_dir) / "saved_pp2" if rank == 0 else None)
-        losses = forward_backward_pipelined(b, mbs, lambda k, lp: -lp.float().mean())
+        stats = b.forward_backward(mbs, lambda k, lp: (-lp.float().mean(), {"k": float(k)}))
         dp = world.replicas(
             ps.get_data_parallel_rank(),
             ps.get_data_parallel_world_size(),
@@ -126,9 +131,8 @@ def _pp_main(rank: int, model_dir: str, out_dir: str, port: int) -> None:
         )
         b.reduce_grads(dp)
         norm = b.optimizer_step()
-        if ps.is_pipeline_last_stage():
-            info = {"fwd": [float(x) for x in fwd], "n_losses": len(losses), "norm": norm}
-            (Path(out_dir) / "pp.json").write_text(json.dumps(info))
+        info = {"fwd": [float(x.sum()) for x in fwd], "stats": stats, "norm": norm}
+        (Path(out_dir) / f"pp_rank{rank}.json").write_text(json.dumps(info))
     finally:
         world.close()
 
@@ -138,8 +142,8 @@ def test_pipeline_parallel_two_stages(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     mp.spawn(_pp_main, args=(str(model_dir), str(tmp_path), free_port()), nprocs=2)
-    info = json.loads((tmp_path / "pp.json").read_text())
-    assert info["n_losses"] == 2 and info["norm"] > 0
+    info = json.loads((tmp_path / "pp_rank0.json").read_text())  # stage 0 got the results
+    assert info["stats"] == [{"k": 0.0}, {"k": 1.0}] and info["norm"] > 0
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
     for k, mb in enumerate([SEQS[:2], SEQS[2:]]):
         ref = 0.0

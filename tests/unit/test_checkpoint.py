@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from areal.checkpoint import latest, load_trainer_state, save, save_trainer_state
+from areal.checkpoint import (
+    latest,
+    load_rank_state,
+    load_trainer_state,
+    save,
+    save_rank_state,
+    save_trainer_state,
+)
 
 
 def _optimizer():
@@ -52,3 +60,21 @@ def test_commit_makes_the_latest_and_drops_older(tmp_path):
     ckpt = latest(tmp_path)
     assert ckpt.version == 8 and ckpt.path.name == "v000008"
     assert not (tmp_path / "checkpoints" / "v000004").exists()
+
+
+def test_a_rank_state_keyed_like_megatrons_optimizer_round_trips(tmp_path):
+    """Megatron's gathered optimizer state is keyed by ints and (dtype, dtype) tuples."""
+    key = (torch.bfloat16, torch.float32)
+    state = {
+        "buckets_coalesced": True,
+        0: {key: {"param": torch.arange(4.0), "exp_avg": torch.ones(4)}},
+        "dtype": torch.float16,
+    }
+    save_rank_state(tmp_path, "optimizer-tp1-pp0", state)
+    back = load_rank_state(tmp_path, "optimizer-tp1-pp0")
+    assert back["buckets_coalesced"] is True and back["dtype"] == torch.float16
+    assert list(back[0]) == [key]
+    assert torch.equal(back[0][key]["param"], torch.arange(4.0))
+    assert torch.equal(back[0][key]["exp_avg"], torch.ones(4))
+    with pytest.raises(ValueError, match="optimizer-tp0-pp1.json"):
+        load_rank_state(tmp_path, "optimizer-tp0-pp1")

@@ -1,7 +1,8 @@
 """MegatronBackend: the TorchBackend interface over a megatron-core GPTModel.
 
-    trainer/step.py --logprobs(seqs)--> packed forward --> per-token log-probs (TP-reduced)
-                    --loss.backward()--> reduce_grads(dp) --> optimizer_step()
+    trainer/step.py --forward_backward(micro-batches, loss_fn)--> packed forwards
+        --> per-token log-probs (TP-reduced, last PP stage) --> loss_fn --> backward
+        --> reduce_grads(dp) --> optimizer_step()
 
 Two paths behind one interface, chosen by what the machine has:
 
@@ -9,11 +10,16 @@ Two paths behind one interface, chosen by what the machine has:
 |------------|----------------------------------------|----------------------------------------|
 | layers     | local spec, explicit block-causal mask | TE spec, packed THD sequences (if TE)  |
 | parameters | model.dtype                            | model.dtype (bf16) in Float16Module    |
+| pp = 1     | batching.forward_backward_loop         | batching.forward_backward_loop         |
+| pp > 1     | pipeline.gpipe (gloo send/recv)        | gpu.forward_backward_pipelined (1F1B)  |
 | gradients  | DataParallel.all_reduce_grads (DP grp) | Megatron DDP, fp32 grad buffers        |
-| optimizer  | torch AdamW, TP-aware clip             | get_megatron_optimizer (fp32 master)   |
+|            | + tied-embedding sum, first/last stage | (finalize_model_grads does both)       |
+| optimizer  | torch AdamW, TP/PP-aware clip          | get_megatron_optimizer (fp32 master)   |
+| checkpoint | each TP/PP rank its optimizer file     | same, Megatron's DP-sharded state      |
+|            |                                        | gathered on DP rank 0 of each TP/PP    |
 
-The micro-batch loop stays the shared one of step.py on both paths. Pipeline parallelism
-(pp > 1) needs Megatron's schedules, which are CUDA-only: see gpu.forward_backward_pipelined.
+With pp > 1, results of the last stage (log-probs, loss statistics) are broadcast over the
+pipeline group, so step.py sees the same values on every rank.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from areal.trainer.batching import pack_sequences
-from areal.trainer.megatron import cuda_redirect
+from areal.checkpoint import load_rank_state, save_rank_state
+from areal.trainer.batching import LossFn, forward_backward_loop, pack_sequences
+from areal.trainer.megatron import cuda_redirect, pipeline
 from areal.trainer.megatron.model import (
     _DTYPES,
     build_gpt_model,
@@ -33,6 +40,7 @@ from areal.trainer.megatron.model import (
     read_hf_config,
 )
 from areal.trainer.megatron.weights_io import load_hf, save_hf
+from areal.trainer.parallel import broadcast_plain
 
 
 def init_model_parallel(tp: int, pp: int) -> None:
@@ -135,7 +143,7 @@ class MegatronBackend:
         if self.pp > 1:
             raise NotImplementedError(
                 "with trainer.parallel.pp > 1 only the last stage has logits: run micro-batches "
-                "through gpu.forward_backward_pipelined (Megatron's schedules, GPU only)"
+                "through forward_backward (a pipeline schedule)"
             )
         output, input_ids, _ = self._packed_forward(seqs)
         return output[0], input_ids
@@ -149,6 +157,25 @@ class MegatronBackend:
             return logits
         pad = torch.arange(per_rank, device=logits.device) >= n_real
         return logits.masked_fill(pad, float("-inf"))
+
+    def forward_backward(
+        self, micro_batches: Sequence[Sequence[Sequence[int]]], loss_fn: LossFn | None = None
+    ) -> list:
+        """batching.forward_backward_loop's contract (forward only without loss_fn), on
+        every rank; with pp > 1 through a pipeline schedule (see the module table)."""
+        if self.pp == 1:
+            return forward_backward_loop(self.logprobs, micro_batches, loss_fn)
+        if not micro_batches:  # the same on every stage of this pipeline: all skip
+            return []
+        if self.on_gpu:
+            from areal.trainer.megatron.gpu import forward_backward_pipelined
+
+            results = forward_backward_pipelined(self, micro_batches, loss_fn)
+        else:
+            results = pipeline.gpipe(self, micro_batches, loss_fn)
+        return pipeline.broadcast_from_last_stage(
+            results, micro_batches, loss_fn is None, self.device
+        )
 
     def logprobs(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
         """Log-probs of every next token of every sequence, as one stream (L-1 per sequence)."""
@@ -178,13 +205,30 @@ class MegatronBackend:
     # ---- update -------------------------------------------------------------------------
 
     def reduce_grads(self, dp) -> None:
-        """Sum gradients over the data-parallel group (the loss is already normalised)."""
+        """Sum gradients over the data-parallel group (the loss is already normalised), and
+        the tied embedding's over its two copies (first and last PP stage)."""
         if self.on_gpu:
             from megatron.core.distributed import finalize_model_grads
 
             finalize_model_grads([self.model])
         else:
             dp.all_reduce_grads(self.gpt.parameters())
+            self._sum_tied_embedding_grads()
+
+    def _sum_tied_embedding_grads(self) -> None:
+        """With tied embeddings and pp > 1, the last stage holds a copy of the embedding as
+        its output layer (Megatron's design). Both copies must take the same update: the sum
+        of their gradients, as Megatron's finalize_model_grads does on GPU."""
+        from megatron.core import parallel_state as ps
+
+        if self.pp == 1 or not self.shape.tie_word_embeddings:
+            return
+        if not ps.is_rank_in_embedding_group():
+            return
+        weight = self.gpt.shared_embedding_or_output_weight()
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
     def _set_lr(self) -> None:
         # Constant learning rate after a linear warm-up (paper, appendix A).
@@ -214,30 +258,75 @@ class MegatronBackend:
         save_hf(self.gpt, out_dir, self.shape, self.layout, self.model_dir, self.save_dtype)
 
     def state_dict(self) -> dict:
-        """Rank 0's optimizer state: the whole of it only when tp = pp = 1 (see load)."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "n_steps": self.n_steps,
-            "model_parallel": self.tp * self.pp,
-        }
+        """Global rank 0's part of the trainer state: the step count, and the layout that
+        every model-parallel rank's optimizer file (save_optimizer) was written for."""
+        return {"n_steps": self.n_steps, "tp": self.tp, "pp": self.pp}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("model_parallel", 1) > 1 or self.tp * self.pp > 1:
+        """Refuse a different tp/pp than saved: the optimizer files are slices of that layout.
+
+        (The weights would convert to any layout, but silently restarting Adam's moments
+        and warm-up changes the run; starting afresh from the weights is the explicit way.)
+        """
+        saved = (state.get("tp"), state.get("pp"))
+        if saved != (self.tp, self.pp):
             raise ValueError(
-                "resuming the megatron backend with trainer.parallel.tp * pp > 1 is not "
-                "implemented (only rank 0's optimizer slice is checkpointed): resume with "
-                "tp = pp = 1, or start afresh from the published weights/vN as model.path"
+                f"the checkpoint was saved with trainer.parallel.tp={saved[0]}, pp={saved[1]} "
+                f"but this run asks for tp={self.tp}, pp={self.pp}: its optimizer state is "
+                "sliced for the saved layout. Resume with the saved tp and pp, or start a new "
+                "run with model.path=<the checkpoint's model/ directory> (fresh optimizer)"
             )
-        self.optimizer.load_state_dict(state["optimizer"])
         self.n_steps = state["n_steps"]
         self._set_lr()
+
+    def _optimizer_file(self) -> str:
+        return f"optimizer-tp{self.layout[1]}-pp{self.layout[3]}"
+
+    def save_optimizer(self, directory: str | Path | None) -> None:
+        """Every rank of the trainer world calls it together; global rank 0 passes the
+        checkpoint directory (being written), the others None.
+
+        Data-parallel rank 0 of each (tp, pp) position writes its own optimizer file there;
+        on GPU, Megatron's distributed optimizer first gathers its DP-sharded state on it.
+        Returns after every file is written (a barrier): the caller may then commit.
+        """
+        from megatron.core import parallel_state as ps
+
+        directory = broadcast_plain(
+            None if directory is None else str(directory), src=0, device=self.device
+        )
+        state = self._optimizer_state()
+        if ps.get_data_parallel_rank() == 0:
+            save_rank_state(Path(directory), self._optimizer_file(), state)
+        dist.barrier()
+
+    def load_optimizer(self, directory: str | Path) -> None:
+        """This rank's optimizer file (every data-parallel replica reads its (tp, pp) one);
+        collective on GPU (DP rank 0 scatters the sharded state). Call after load_state_dict."""
+        state = load_rank_state(Path(directory), self._optimizer_file())
+        if self.on_gpu:
+            from areal.trainer.megatron.gpu import load_optimizer_state
+
+            load_optimizer_state(self.optimizer, state)
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._set_lr()
+
+    def _optimizer_state(self) -> dict:
+        if self.on_gpu:
+            from areal.trainer.megatron.gpu import optimizer_state
+
+            return optimizer_state(self.optimizer)
+        return {"optimizer": self.optimizer.state_dict()}
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip by the global norm of the full (unsharded) gradient across TP and PP ranks.
 
     A TP-split parameter contributes its slice on every TP rank; a replicated one (norms)
-    only once, from TP rank 0, or the norm would count it tp times.
+    only once, from TP rank 0, or the norm would count it tp times. Each PP stage adds its
+    own layers; the last stage's copy of a tied embedding (`shared`, see
+    MegatronBackend._sum_tied_embedding_grads) is left out, the first stage counts it.
     """
     from megatron.core import parallel_state as ps
 
@@ -245,7 +334,9 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     tp_rank = ps.get_tensor_model_parallel_rank()
     sq = torch.zeros((), dtype=torch.float64)
     for p in params:
-        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+        if p.grad is None or getattr(p, "shared", False):
+            continue
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
             sq += p.grad.detach().double().pow(2).sum().cpu()
     if ps.get_model_parallel_group().size() > 1:
         dist.all_reduce(sq, group=ps.get_model_parallel_group())

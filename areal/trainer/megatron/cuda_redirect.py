@@ -1,23 +1,30 @@
-"""The three CUDA calls megatron-core 0.16 makes even on a CPU model, redirected to the CPU.
+"""The CUDA calls megatron-core 0.16 makes even on a CPU model, redirected to the CPU.
 
 Measured on a CPU-only machine (shared/DEPENDENCIES.md): the local layer spec runs over
-gloo except for three places that ask for a CUDA device unconditionally:
+gloo except for four places that ask for a CUDA device unconditionally:
 
 1) rotary embeddings move `inv_freq` to `torch.cuda.current_device()` on first use;
 2) `DotProductAttention` takes its score buffer from the global memory buffer, which
    allocates on `torch.cuda.current_device()`;
 3) `model_parallel_cuda_manual_seed` and the RNG tracker's `fork()` (entered by every
-   attention forward) read and write the CUDA RNG state.
+   attention forward) read and write the CUDA RNG state;
+4) with tied embeddings and pp > 1, GPTModel's constructor moves the last stage's copy of
+   the embedding to `.cuda()` before the all-reduce that makes it equal the first stage's.
 
 (1) and (2) are redirected by making `torch.cuda.current_device()` answer "cpu": without
 CUDA that call can only raise, so no working code path changes meaning. (3) is redirected
 by a tracker whose fork is a no-op (Megatron's own inference tracker) plus a CPU seed: our
-Qwen2 models have no dropout, so no random numbers are drawn inside a fork.
+Qwen2 models have no dropout, so no random numbers are drawn inside a fork. (4) is
+redirected only while a model is built (`cpu_tensors_stay()`): `Tensor.cuda()` returns the
+tensor itself, so the all-reduce runs on the CPU tensor over gloo.
 
 `apply()` does nothing when CUDA is present: the GPU path is Megatron's own.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -50,3 +57,17 @@ def seed(seed: int) -> None:
     # Initialisation on the CPU (use_cpu_initialization) draws from the CPU generator.
     torch.manual_seed(seed)
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+@contextlib.contextmanager
+def cpu_tensors_stay() -> Iterator[None]:
+    """(4): inside, `Tensor.cuda()` is the identity when CUDA is absent (else untouched)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    real = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = real

@@ -10,9 +10,11 @@ runs on the CPU path; tests/system/test_megatron_gpu.py covers it where a GPU ex
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
+
+from areal.trainer.batching import LossFn
 
 
 def wrap_for_gpu(gpt, dtype: str, grad_clip: float, *, lr, weight_decay, betas, eps):
@@ -53,32 +55,36 @@ def wrap_for_gpu(gpt, dtype: str, grad_clip: float, *, lr, weight_decay, betas, 
 def forward_backward_pipelined(
     backend,
     micro_batches: Sequence[Sequence[Sequence[int]]],
-    loss_fn: Callable[[int, torch.Tensor], torch.Tensor],
-    forward_only: bool = False,
-) -> list[torch.Tensor]:
-    """Run micro-batches through Megatron's pipeline schedule (1F1B for pp > 1).
+    loss_fn: LossFn | None = None,
+) -> list:
+    """forward_backward_loop's contract through Megatron's pipeline schedule (1F1B).
 
-    loss_fn(k, logprobs of micro-batch k) -> scalar loss; on the last stage the returned
-    list holds each micro-batch's loss, elsewhere it is empty. Gradients accumulate as with
-    the per-micro-batch loop; call backend.reduce_grads and optimizer_step afterwards.
+    On the last stage: each micro-batch's log-prob stream without loss_fn (forward only),
+    else loss_fn's stats; elsewhere []. Gradients accumulate as with the plain loop; call
+    backend.reduce_grads (finalize_model_grads: DP and tied-embedding sums) afterwards.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batches = iter(enumerate(micro_batches))
-    losses: list[torch.Tensor] = []
+    results: list = []
 
     def forward_step(data_iterator, model):
         k, seqs = next(data_iterator)
-        logits, input_ids, kwargs = backend._packed_forward(seqs, model)
+        output, input_ids, _ = backend._packed_forward(seqs, model)
 
-        def loss_func(output):
-            lp = backend._token_logprobs(output, input_ids, seqs)
-            loss = loss_fn(k, lp)
-            losses.append(loss.detach())
-            # (loss, number of tokens, reporting dict) with calculate_per_token_loss.
+        def loss_func(logits):
+            lp = backend._token_logprobs(logits, input_ids, seqs)
+            if loss_fn is None:
+                results.append(lp.detach().float().cpu())
+                loss = lp.float().sum() * 0.0
+            else:
+                loss, stats = loss_fn(k, lp)
+                results.append(stats)
+            # (loss, tokens, reports): with calculate_per_token_loss Megatron divides the
+            # loss by nothing (loss_fn already normalises by the minibatch's valid tokens).
             return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
 
-        return logits, loss_func
+        return output, loss_func
 
     longest = max(sum(len(s) for s in mb) for mb in micro_batches)
     get_forward_backward_func()(
@@ -86,8 +92,36 @@ def forward_backward_pipelined(
         data_iterator=batches,
         model=[backend.model],
         num_microbatches=len(micro_batches),
-        seq_length=longest,
+        seq_length=longest,  # unused with variable_seq_lengths: stages exchange shapes
         micro_batch_size=1,
-        forward_only=forward_only,
+        forward_only=loss_fn is None,
     )
-    return losses
+    return results
+
+
+def _optimizers(optimizer) -> list:
+    """The distributed optimizers inside Megatron's (possibly chained) optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_state(optimizer) -> dict | None:
+    """Megatron's optimizer state for a checkpoint, gathered on data-parallel rank 0.
+
+    Collective over the DP group: the distributed optimizer shards Adam's moments and the
+    fp32 master weights across DP ranks; get_parameter_state_dp_zero gathers them (None on
+    the other ranks). state_dict() is the DP-independent rest (step, param groups).
+    """
+    params = [o.get_parameter_state_dp_zero() for o in _optimizers(optimizer)]
+    if any(p is None for p in params):
+        return None
+    return {"optimizer": optimizer.state_dict(), "params": params}
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """The inverse of optimizer_state: DP rank 0's file is scattered over the DP group."""
+    from megatron.core import parallel_state as ps
+
+    optimizer.load_state_dict(state["optimizer"])
+    is_dp0 = ps.get_data_parallel_rank() == 0
+    for o, params in zip(_optimizers(optimizer), state["params"], strict=True):
+        o.load_parameter_state_from_dp_zero(params if is_dp0 else None)

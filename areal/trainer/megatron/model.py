@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from areal.trainer.megatron import cuda_redirect
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -156,18 +158,19 @@ def build_gpt_model(shape: Qwen2Shape, tp: int, pp: int, dtype: str = "float32")
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=shape.padded_vocab(tp),
-        max_sequence_length=shape.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True,  # logits stay vocab-parallel: log-probs via a TP reduction
-        share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=shape.rope_theta,
-    )
+    with cuda_redirect.cpu_tensors_stay():  # tied embeddings with pp > 1 (see cuda_redirect)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=shape.padded_vocab(tp),
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            parallel_output=True,  # logits stay vocab-parallel: log-probs via a TP reduction
+            share_embeddings_and_output_weights=shape.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=shape.rope_theta,
+        )
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model

@@ -114,10 +114,11 @@ def _dev(model) -> torch.device:
 
 
 def _stage_rank0(stage: int) -> int:
-    """Global rank of (tp 0, dp 0) on a PP stage: Megatron's default order puts PP outermost."""
+    """Global rank of (tp 0, dp 0) on a PP stage, asked by global rank 0 (tp 0, dp 0): its
+    pipeline group holds exactly those ranks, in stage order."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_pipeline_model_parallel_global_ranks()[stage]
+    return dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[stage]
 
 
 def _write_config(out: Path, source: Path, dtype: torch.dtype) -> None:
