@@ -16,6 +16,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 _NAME = re.compile(r"^v(\d{6})$")
+# What a published version carries besides config.json and the weights: the tokenizer (so
+# SGLang and transformers load the directory alone) and the generation defaults.
+_COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def copy_companion_files(source: Path, out: Path) -> None:
+    """Copy the tokenizer and generation files of model directory source into out."""
+    for name in _COMPANION_FILES:
+        if (source / name).exists():
+            shutil.copy2(source / name, out / name)
 
 
 def version_name(version: int) -> str:

@@ -67,7 +67,6 @@ class RolloutWorker:
         self._latest: tuple[int, str] | None = None  # the newest (version, path) asked for
         self.n_interrupted = 0
         """Requests interrupted by weight updates since the last stats() call."""
-        self.n_server_deaths = 0
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -75,6 +74,7 @@ class RolloutWorker:
         self._open.set()
         self._alive = asyncio.Event()  # cleared while the server is down
         self._alive.set()
+        # Held: asyncio keeps only weak references to tasks.
         self._recovery: asyncio.Task | None = None
         self._update_lock = asyncio.Lock()
 
@@ -196,28 +196,27 @@ class RolloutWorker:
         if not self._alive.is_set():
             return
         self._alive.clear()
-        self.n_server_deaths += 1
         log.warning("inference server %s is down (%s); recovering", self.client.base_url, reason)
         self._recovery = asyncio.create_task(self._recover())
 
     async def _recover(self) -> None:
         """Until the (restarted) server is healthy and holds the latest version."""
         while True:
-            url = await asyncio.to_thread(self.find_server)
-            if url.rstrip("/") != self.client.base_url:
-                await self.client.close()
-                self.client = SGLangClient(url)
-            if await self.client.health():
-                async with self._update_lock:
-                    try:
+            try:
+                url = await asyncio.to_thread(self.find_server)
+                if url.rstrip("/") != self.client.base_url:
+                    await self.client.close()
+                    self.client = SGLangClient(url)
+                if await self.client.health():
+                    async with self._update_lock:
                         # A restarted server starts from the weights the run started from.
                         if self._latest is not None:
                             await self._load(*self._latest)
                         self._alive.set()
                         log.info("inference server %s is back at version %d", url, self.version)
                         return
-                    except ServerDown as e:
-                        log.warning("inference server %s is not usable yet: %s", url, e)
+            except Exception as e:  # keep trying: the launcher stops the run if it cannot
+                log.warning("inference server %s is not usable yet: %s", self.client.base_url, e)
             await asyncio.sleep(_RECOVERY_POLL_S)
 
     async def wait_ready(self) -> dict:

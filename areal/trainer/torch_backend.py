@@ -8,7 +8,6 @@ on CPU.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,16 +16,9 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from areal.trainer.batching import LossFn, forward_backward_loop, pack_sequences
+from areal.weights import copy_companion_files
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 
 
 class TorchBackend:
@@ -115,10 +107,7 @@ class TorchBackend:
         """Write an HF model directory (safetensors, config, tokenizer) at out_dir."""
         out = Path(out_dir)
         self.model.save_pretrained(out, safe_serialization=True)
-        for name in _TOKENIZER_FILES:
-            src = self.model_dir / name
-            if src.exists():
-                shutil.copy2(src, out / name)
+        copy_companion_files(self.model_dir, out)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -148,3 +148,39 @@ def test_scancel_leaves_no_process(tmp_path, tiny_model):
         assert role_pid(tmp_path, "trainer") is None and role_pid(tmp_path, "rollout") is None
     finally:
         subprocess.run(["scancel", job], timeout=30)
+
+
+def test_a_killed_server_step_is_restarted_on_its_gpu(tmp_path, tiny_model):
+    """The launcher restarts a dead server as a new srun step holding the same GPU; its
+    rollout worker finds the new address and routes to it again."""
+    job = sbatch(tmp_path, tiny_model, "total_train_steps=100000")
+    run = tmp_path / "tiny/run0"
+    try:
+        wait_for(lambda: metrics(tmp_path), 240, "the first training step")
+        port = (run / "registry/server/0").read_text().rsplit(":", 1)[1]
+        server = next(
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and f"--port {port} ".encode() in _cmdline(p) + b" "
+        )
+        os.kill(server, signal.SIGKILL)
+        log = run / "logs/controller0.log"
+        wait_for(lambda: "inference server 0 is back" in log.read_text(), 120, "server 0 back")
+        out = (tmp_path / "job.out").read_text()
+        assert "role server0 was killed by SIGKILL (srun exit code 137); restarting it (1/3)" in out
+        server_log = (run / "logs/server0.log").read_text()
+        # Both starts: on node n1's GPU, as the plan placed it.
+        assert server_log.count("areal: CUDA_VISIBLE_DEVICES=0\n") == 2, server_log[-3000:]
+        n_back = len(metrics(tmp_path))
+        wait_for(lambda: len(metrics(tmp_path)) >= n_back + 3, 60, "training to go on")
+        assert job_state(job) == "RUNNING"
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+    wait_for(lambda: job_processes(job) == [], 30, "the job's processes to end")
+
+
+def _cmdline(p: Path) -> bytes:
+    try:
+        return (p / "cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return b""

@@ -11,7 +11,6 @@ same weights. The whole group must call `save_hf` together.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -28,16 +27,8 @@ from areal.trainer.megatron.convert import (
     to_megatron,
 )
 from areal.trainer.megatron.model import Qwen2Shape
+from areal.weights import copy_companion_files
 
-_COPIED = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -126,6 +117,4 @@ def _write_config(out: Path, source: Path, dtype: torch.dtype) -> None:
     cfg = json.loads((source / "config.json").read_text())
     cfg["torch_dtype"] = cfg["dtype"] = _DTYPE_NAMES[dtype]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in _COPIED:
-        if (source / name).exists():
-            shutil.copy2(source / name, out / name)
+    copy_companion_files(source, out)
