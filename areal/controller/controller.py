@@ -4,6 +4,8 @@
                                                                  | G trajectories
     trainer <--get_batch(i)-- [replay buffer] <--rewards-- reward service
     trainer --weights_ready(i+1)--> update every worker --> gate.on_version(i+1)
+    (router.py picks the worker of a group: the least loaded alive; a dead server's samples
+     come back unfinished and resume on another, until its worker answers wait_ready)
 
 | loop            | waits for                                   | unblocked by                 |
 |-----------------|---------------------------------------------|------------------------------|
@@ -11,6 +13,7 @@
 | one group       | its worker, then the reward service         | their replies                |
 | get_batch(i)    | a batch the buffer may hand out at i        | a finished group             |
 | weight update   | every worker to load version i              | their replies                |
+| dead server     | its worker's wait_ready (restart + reload)  | the launcher restarting it   |
 
 Everything runs on one asyncio loop, so the gate and the buffer need no lock: their
 state changes only between awaits, and `changed` wakes whoever waits on them.

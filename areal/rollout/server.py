@@ -177,7 +177,7 @@ def format_generate_output(result: GenerationResult, spec: GenerateSpec, tokeniz
         if isinstance(matched, str) and not spec.no_stop_trim and matched in text:
             text = text[: text.index(matched)]
     # The keys and order of SGLang's TokenizerManager._handle_batch_output (metrics off); see
-    # tests/data/sglang_generate_response.json.
+    # tests/data/sglang_shapes.json.
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
