@@ -64,6 +64,7 @@ def load_problems(args) -> list[dict]:
 async def sample_and_grade(args, rows: list[dict], url: str) -> list[list[bool]]:
     from areal.reward.service import RewardService
     from areal.rollout.client import SGLangClient
+    from areal.rollout.launch import wait_for_server
 
     client = SGLangClient(url)
     service = RewardService(
@@ -93,7 +94,7 @@ async def sample_and_grade(args, rows: list[dict], url: str) -> list[list[bool]]
         return [r > 0 for r in rewards]
 
     try:
-        await client.wait_healthy(args.startup_timeout_s, args.server_proc)
+        await wait_for_server(client, args.startup_timeout_s, args.server_log, args.server_proc)
         limit = asyncio.Semaphore(args.max_concurrent)
 
         async def bounded(row: dict) -> list[bool]:
@@ -156,16 +157,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal.eval: error: {e}", file=sys.stderr)
         return 2
     output = Path(args.output or f"eval_{Path(args.data or 'arith').stem}.json")
-    args.server_proc = None
+    args.server_proc = args.server_log = None
     url = args.server_url
     if url is None:
-        log_path = output.with_suffix(".server.log")
+        args.server_log = output.with_suffix(".server.log")
         from areal.rollout.launch import start_embedded_server
 
         args.server_proc, url = start_embedded_server(
-            args.model, log_path, "--seed", str(args.seed), "--num-threads", str(args.num_threads)
-        )
-        print(f"areal.eval: started the embedded server at {url} (log {log_path})")
+            args.model, args.server_log, "--seed", str(args.seed),
+            "--num-threads", str(args.num_threads),
+        )  # fmt: skip
+        print(f"areal.eval: started the embedded server at {url} (log {args.server_log})")
     t0 = time.time()
     try:
         correct = asyncio.run(sample_and_grade(args, rows, url))

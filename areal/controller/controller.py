@@ -215,6 +215,11 @@ class Controller:
             "rollout/groups_in_flight": self.buffer.n_in_flight,
             "rollout/groups_ready": len(self.buffer),
             "rollout/servers_alive": sum(self.router.alive),
+            # The oldest weights a serving server holds (as it acknowledged them).
+            "rollout/server_version_min": min(
+                (v for v, ok in zip(self.router.version, self.router.alive, strict=True) if ok),
+                default=-1,
+            ),
             "rollout/resubmitted": resubmitted,
             "reward/timeouts": reward_stats["timeouts"],
             "reward/errors": reward_stats["errors"],

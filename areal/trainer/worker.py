@@ -48,9 +48,8 @@ def make_backend(cfg, model_dir, dp: DataParallel):
     if t.backend == "torch":
         device = str(dp.device) if dp.device.type == "cuda" else None
         return TorchBackend(model_dir, device=device, **common), dp
-    from megatron.core import parallel_state as ps  # lazy: the torch path never imports it
-
-    from areal.trainer.megatron.backend import MegatronBackend
+    # Lazy: the torch path never imports megatron.
+    from areal.trainer.megatron.backend import MegatronBackend, data_parallel_group
 
     backend = MegatronBackend(
         model_dir,
@@ -60,10 +59,7 @@ def make_backend(cfg, model_dir, dp: DataParallel):
         seed=cfg.seed,
         **common,
     )
-    replicas = dp.replicas(
-        ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
-    )
-    return backend, replicas
+    return backend, data_parallel_group(dp)
 
 
 def staleness(trajs: list[Trajectory], version: int) -> list[int]:

@@ -53,6 +53,19 @@ def embedded_server(model_dir: Path, log_path: Path, *extra: str):
     assert returncode == 0, log_path.read_text()[-3000:]
 
 
+def join_world(rank: int, world_size: int, port: int) -> None:
+    """What a launcher sets for trainer rank `rank` of a world on loopback (in a spawned
+    process), with one torch thread so that ranks share the cores fairly."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    torch.set_num_threads(1)
+
+
 def copy_weights(src: Path, dst: Path, edit) -> Path:
     """A copy of the model directory src at dst, its tensors changed in place by edit."""
     shutil.copytree(src, dst)

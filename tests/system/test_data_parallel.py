@@ -27,6 +27,7 @@ from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory
+from tests.system.conftest import join_world
 from tests.system.test_run import (
     _wait_for,
     cmdline,
@@ -108,20 +109,8 @@ class Recorder:
         step_mod._equal_micro_batches = equal  # callers restore it (monkeypatch)
 
 
-def _join_env(rank: int, port: int) -> None:
-    """What a launcher sets for rank `rank` of a two-rank world on loopback."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-
-
 def _rank_main(rank: int, model_dir: str, batch_file: str, out_dir: str, port: int) -> None:
-    _join_env(rank, port)
-    torch.set_num_threads(1)
+    join_world(rank, 2, port)
     dp = init_data_parallel(2, rank, timeout_s=60)
     try:
         backend = make_backend(model_dir)
@@ -195,7 +184,7 @@ def test_two_gloo_ranks_equal_one_rank(model_dir, tmp_path, monkeypatch):
 
 
 def _dead_peer_main(rank: int, port: int, out_dir: str) -> None:
-    _join_env(rank, port)
+    join_world(rank, 2, port)
     dp = init_data_parallel(2, rank, timeout_s=10)
     if rank == 1:
         os._exit(0)  # dies without a word, as a killed rank would

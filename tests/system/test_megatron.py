@@ -9,7 +9,6 @@ come back as safetensors and JSON files, never pickle.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from areal.comm.net import free_port
 from areal.models.tiny import make_tiny_model
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
+from tests.system.conftest import join_world
 from tests.system.test_data_parallel import STEP_ARGS, make_trajectories
 from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
@@ -35,14 +35,6 @@ def _backend(model_dir: str, tp: int):
     return MegatronBackend(model_dir, tp=tp, warmup_steps=0, save_dtype="float32", **OPT)
 
 
-def _replicas(world):
-    from megatron.core import parallel_state as ps
-
-    return world.replicas(
-        ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
-    )
-
-
 def _grads(backend) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in backend.gpt.named_parameters()}
 
@@ -51,14 +43,9 @@ def _rank_main(rank: int, nprocs: int, model_dir: str, out_dir: str, port: int) 
     """Layout TP=nprocs: logits, packed vs alone, save. Then TP=1 x DP=nprocs: one step."""
     from megatron.core import parallel_state as ps
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(nprocs),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    torch.set_num_threads(1)
+    from areal.trainer.megatron.backend import data_parallel_group
+
+    join_world(rank, nprocs, port)
     out = Path(out_dir)
     world = init_data_parallel(1, rank, timeout_s=120, model_parallel=nprocs)
     try:
@@ -75,7 +62,7 @@ def _rank_main(rank: int, nprocs: int, model_dir: str, out_dir: str, port: int) 
         # Same world, new layout: every rank a data-parallel replica of the whole model.
         ps.destroy_model_parallel()
         backend = _backend(model_dir, tp=1)
-        dp = _replicas(world)
+        dp = data_parallel_group(world)
         trajs = make_trajectories(backend.shape.vocab_size)
         seen = []
         real_step = backend.optimizer_step

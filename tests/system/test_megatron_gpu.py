@@ -111,8 +111,7 @@ def test_bf16_params_fp32_grads_packed_sequences_and_bf16_weights_out(model_dir,
 
 
 def _pp_main(rank: int, model_dir: str, out_dir: str, port: int) -> None:
-    from megatron.core import parallel_state as ps
-
+    from areal.trainer.megatron.backend import data_parallel_group
     from areal.trainer.parallel import init_data_parallel
 
     _join(rank, 2, port)
@@ -124,11 +123,7 @@ def _pp_main(rank: int, model_dir: str, out_dir: str, port: int) -> None:
             fwd = b.forward_backward(mbs)  # forward only: log-prob streams on every stage
         b.save_hf(Path(out_dir) / "saved_pp2" if rank == 0 else None)
         stats = b.forward_backward(mbs, lambda k, lp: (-lp.float().mean(), {"k": float(k)}))
-        dp = world.replicas(
-            ps.get_data_parallel_rank(),
-            ps.get_data_parallel_world_size(),
-            ps.get_data_parallel_group(),
-        )
+        dp = data_parallel_group(world)
         b.reduce_grads(dp)
         norm = b.optimizer_step()
         info = {"fwd": [float(x.sum()) for x in fwd], "stats": stats, "norm": norm}

@@ -9,7 +9,6 @@ come back as safetensors and JSON files, never pickle.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from areal.comm.net import free_port
 from areal.models.tiny import make_tiny_model
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
+from tests.system.conftest import join_world
 from tests.system.test_data_parallel import STEP_ARGS, make_trajectories
 from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
@@ -30,29 +30,16 @@ N_STEPS = 2
 
 
 def _rank_main(rank: int, pp: int, model_dir: str, out_dir: str, port: int) -> None:
-    from megatron.core import parallel_state as ps
+    from areal.trainer.megatron.backend import MegatronBackend, data_parallel_group
 
-    from areal.trainer.megatron.backend import MegatronBackend
-
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(pp),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    torch.set_num_threads(1)
+    join_world(rank, pp, port)
     out = Path(out_dir)
     world = init_data_parallel(1, rank, timeout_s=120, model_parallel=pp)
     try:
         backend = MegatronBackend(
             model_dir, pp=pp, warmup_steps=0, save_dtype="float32", seed=1, **OPT
         )
-        dp = world.replicas(
-            ps.get_data_parallel_rank(),
-            ps.get_data_parallel_world_size(),
-            ps.get_data_parallel_group(),
-        )
+        dp = data_parallel_group(world)
         trajs = make_trajectories(backend.shape.vocab_size)
         stats = [
             train_step(backend, trajs, dp=dp, **{**STEP_ARGS, "seed": s}) for s in range(N_STEPS)

@@ -8,7 +8,6 @@ load_trainer_part) and areal.checkpoint's atomic save.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +22,7 @@ from areal.models.tiny import make_tiny_model
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
 from areal.trainer.worker import load_trainer_part, write_trainer_part
+from tests.system.conftest import join_world
 from tests.system.test_data_parallel import STEP_ARGS, make_trajectories
 
 OPT = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=1.0)
@@ -30,11 +30,9 @@ TP = 2
 
 
 def _step(backend, world, k: int) -> None:
-    from megatron.core import parallel_state as ps
+    from areal.trainer.megatron.backend import data_parallel_group
 
-    dp = world.replicas(
-        ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
-    )
+    dp = data_parallel_group(world)
     trajs = make_trajectories(backend.shape.vocab_size)
     train_step(backend, trajs, dp=dp, **{**STEP_ARGS, "seed": k})
 
@@ -44,14 +42,7 @@ def _rank_main(rank: int, phase: str, model_dir: str, exp_dir: str, port: int) -
     checkpoint, step 2 -> resumed/."""
     from areal.trainer.megatron.backend import MegatronBackend
 
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(TP),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    torch.set_num_threads(1)
+    join_world(rank, TP, port)
     exp = Path(exp_dir)
     world = init_data_parallel(1, rank, timeout_s=120, model_parallel=TP)
     try:

@@ -149,6 +149,8 @@ def test_a_run_survives_a_killed_server_and_loses_no_prompt(tmp_path):
     assert sum(m["rollout/resubmitted"] for m in metrics) > 0
     assert min(m["rollout/servers_alive"] for m in metrics) == 1
     assert metrics[-1]["rollout/servers_alive"] == 2
+    # Every serving server holds trained weights, none newer than the trainer's.
+    assert 0 < metrics[-1]["rollout/server_version_min"] <= metrics[-1]["version"]
     # No prompt lost or counted twice: every prompt taken is trained, ready, or queued to
     # be generated again, in the controller state of a checkpoint taken after the failure.
     cfg = load_config(exp_dir / "config.yaml")

@@ -55,6 +55,16 @@ def init_model_parallel(tp: int, pp: int) -> None:
         ps.initialize_model_parallel(tp, pp)
 
 
+def data_parallel_group(world):
+    """`world` (parallel.DataParallel) with its reductions over Megatron's data-parallel
+    group: the batch is still broadcast to every rank, gradients summed over replicas only."""
+    from megatron.core import parallel_state as ps
+
+    return world.replicas(
+        ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+    )
+
+
 class MegatronBackend:
     """Owns this rank's model slice and optimizer; same methods as TorchBackend."""
 
@@ -140,11 +150,8 @@ class MegatronBackend:
 
     def _forward(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocab-parallel logits [T, V/tp] of the packed stream, and its token ids [T]."""
-        if self.pp > 1:
-            raise NotImplementedError(
-                "with trainer.parallel.pp > 1 only the last stage has logits: run micro-batches "
-                "through forward_backward (a pipeline schedule)"
-            )
+        # With pp > 1 only the last stage has logits: forward_backward schedules the stages.
+        assert self.pp == 1, "logprobs/logits run one stage; with pp > 1 use forward_backward"
         output, input_ids, _ = self._packed_forward(seqs)
         return output[0], input_ids
 
