@@ -411,6 +411,37 @@ class LauncherConfig(_Section):
 
 
 @dataclass(kw_only=True)
+class WandbConfig(_Section):
+    _section: ClassVar[str] = "stats.wandb"
+
+    mode: str = "disabled"
+    """Weights & Biases logging: disabled, offline (files under the experiment dir, no network) or online."""  # noqa: E501
+    project: str = ""
+    """W&B project; empty = experiment_name."""
+    name: str = ""
+    """W&B run name; empty = trial_name."""
+    entity: str = ""
+    """W&B entity (user or team); empty = your account's default."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._one_of("mode", ("disabled", "offline", "online"))
+
+
+@dataclass(kw_only=True)
+class StatsConfig(_Section):
+    _section: ClassVar[str] = "stats"
+
+    events: bool = True
+    """Record each role's timestamped spans to events/{role}.jsonl (the timeline of areal.report)."""  # noqa: E501
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases (TensorBoard files are written on every run)."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+
+
+@dataclass(kw_only=True)
 class ExperimentConfig(_Section):
     experiment_name: str = "tiny"
     """Experiment name; the directory is {fileroot}/{experiment_name}/{trial_name}."""
@@ -442,6 +473,8 @@ class ExperimentConfig(_Section):
     """PPO objective."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """Process launcher."""
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    """Metrics loggers and event recording."""
 
     def __post_init__(self) -> None:
         self._check_types()

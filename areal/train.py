@@ -20,6 +20,7 @@ def prepare_experiment(cfg):
     """Make the experiment directory ready for a fresh or resumed run; resolve the model."""
     from areal.checkpoint import checkpoints_root, latest
     from areal.comm.registry import create_key
+    from areal.events import events_dir
 
     if cfg.dataset.type != "arith":
         from areal.data.problems import load_file_rows
@@ -37,22 +38,26 @@ def prepare_experiment(cfg):
         shutil.rmtree(exp / name, ignore_errors=True)
     for entry in (exp / "registry").glob("*/"):
         shutil.rmtree(entry, ignore_errors=True)
-    metrics = exp / "metrics.jsonl"
+    # One line per step in each (trainer/worker.py); the timeline's spans per role.
+    per_step = [exp / "metrics.jsonl", exp / "batches.jsonl"]
     if ckpt is None:
         if cfg.resume:
             print(f"areal: no checkpoint in {exp}; starting afresh")
         shutil.rmtree(checkpoints_root(exp), ignore_errors=True)
-        metrics.unlink(missing_ok=True)
+        shutil.rmtree(events_dir(exp), ignore_errors=True)
+        for path in per_step:
+            path.unlink(missing_ok=True)
     else:
         print(f"areal: resuming from {ckpt.path}")
-        # Steps after the checkpoint will be trained again: their lines go.
-        if metrics.exists():
+        # Steps after the checkpoint will be trained again: their lines go. (The timeline
+        # keeps every span: it shows the time spent, lost work included.)
+        for path in filter(Path.exists, per_step):
             lines = [
                 ln
-                for ln in metrics.read_text().splitlines()
-                if ln.strip() and json.loads(ln)["version"] <= ckpt.version
+                for ln in path.read_text().splitlines()
+                if ln.strip() and json.loads(ln)["step"] <= ckpt.version
             ]
-            metrics.write_text("".join(ln + "\n" for ln in lines))
+            path.write_text("".join(ln + "\n" for ln in lines))
     (exp / "logs").mkdir()
     create_key(exp)
     if not cfg.model.path:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
-import sys
 
+from areal import events, rolelog
 from areal.comm.registry import Registry, load_key
 from areal.comm.rpc import RpcServer
 from areal.config import load_config
+from areal.events import events_path
 
 # "server" registers inference server k and becomes it (areal/rollout/launch.py).
 ROLES = ("server", "controller", "rollout", "reward", "trainer")
@@ -102,12 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--exp-dir", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format=f"%(asctime)s {args.role}{args.index} %(name)s %(levelname)s: %(message)s",
-    )
+    name = f"{args.role}{args.index}"  # as logs/{name}.log and events/{name}.jsonl
+    rolelog.setup(name)
     cfg = load_config(f"{args.exp_dir}/config.yaml")
+    if cfg.stats.events and args.role in ("controller", "trainer"):
+        events.configure(events_path(cfg.exp_dir, name), name)
     if args.role == "server":
         from areal.rollout.launch import exec_server
 

@@ -28,6 +28,7 @@ import signal
 import time
 from pathlib import Path
 
+from areal import events, rolelog
 from areal.checkpoint import Checkpoint
 from areal.comm.registry import Registry
 from areal.comm.rpc import RpcClient, RpcServer
@@ -260,9 +261,13 @@ class Controller:
 
     async def _update_weights(self, version: int, path: str) -> None:
         async with self._update_lock:  # versions are loaded in order
+            t0 = time.time()
             replies = await asyncio.gather(
                 *(w.call("update_weights", version=version, path=path) for w in self.workers)
             )
+            events.record("update_weights", t0, time.time(), version=version)
+            rolelog.set_context(version=version)
+            log.info("version %d loaded by the servers in %.2fs", version, time.time() - t0)
             async with self.changed:
                 for k, reply in enumerate(replies):
                     if reply["loaded"]:

@@ -15,7 +15,6 @@ and Ctrl-C stop everything too.
 from __future__ import annotations
 
 import abc
-import json
 import os
 import signal
 import subprocess
@@ -24,9 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from areal.launcher.plan import Plan, Step
+from areal.launcher.progress import Progress
+from areal.loggers import MetricSink, make_loggers
 from areal.process import die_with_parent
 
 
@@ -142,7 +141,8 @@ class Launcher(abc.ABC):
 
     def run(self) -> int:
         """Start all steps, show progress, stop everything; returns the exit code."""
-        progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps)
+        sink = MetricSink(make_loggers(self.cfg))  # TensorBoard, W&B: off the main loop
+        progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps, sink)
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             for step in self.plan.steps:
@@ -182,38 +182,3 @@ class Launcher(abc.ABC):
         finally:
             self.stop_all()
             signal.signal(signal.SIGTERM, previous)
-
-
-class Progress:
-    """Tails metrics.jsonl: one console line per training step and a progress bar."""
-
-    def __init__(self, path: Path, total_steps: int):
-        self.path = path
-        self.offset = 0
-        self.bar = tqdm(
-            total=total_steps, unit="step", dynamic_ncols=True, file=sys.stdout, disable=None
-        )
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path) as f:
-            f.seek(self.offset)
-            data = f.read()
-        lines = data.split("\n")
-        self.offset += len(data) - len(lines[-1])  # a partial last line waits for its end
-        for line in lines[:-1]:
-            if line.strip():
-                self.bar.write(format_step(json.loads(line)))
-                self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def format_step(m: dict) -> str:
-    return (
-        f"step {m['step']:>4} | version {m['version']:>4} | reward {m['reward/mean']:+6.2f} | "
-        f"staleness max {m['staleness/max']} | {m['throughput/train_tokens_per_s']:7.1f} tok/s | "
-        f"{m['time']:7.1f}s"
-    )

@@ -27,6 +27,7 @@ from pathlib import Path
 from areal.comm import net
 from areal.comm.registry import Registry
 from areal.config import ConfigError
+from areal.events import events_path
 
 SUPPORTED_SGLANG = "0.5.23"
 """The SGLang release whose HTTP API we speak; pyproject's `sglang` extra pins the same."""
@@ -60,6 +61,8 @@ def server_command(cfg, k: int, host: str, port: int) -> list[str]:
             "--seed": cfg.seed + k,
             "--weight-version": version,
         }
+        if cfg.stats.events:
+            args["--events-file"] = events_path(cfg.exp_dir, f"server{k}")
         return [python, "-m", "areal.rollout.server", *_flat(args)]
     if inf.backend != "sglang":
         raise ConfigError(f"inference.backend={inf.backend!r} must be embedded or sglang")

@@ -25,10 +25,13 @@ import signal
 import sys
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from areal import events, rolelog
+from areal.rollout.activity import ServerActivity
 from areal.rollout.engine import PAUSE_MODES, DecodeEngine, GenerationResult, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -239,6 +242,15 @@ async def _json(request: web.Request) -> dict:
 
 
 async def generate(request: web.Request) -> web.Response:
+    activity: ServerActivity = _state(request)["activity"]
+    activity.request_started()  # the timeline's generate spans (areal/rollout/activity.py)
+    try:
+        return await _generate(request)
+    finally:
+        activity.request_finished()
+
+
+async def _generate(request: web.Request) -> web.Response:
     engine = _engine(request)
     specs, is_batch = parse_generate_body(await _json(request), engine.tokenizer)
     futures = []
@@ -272,6 +284,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     mode = (await _json(request)).get("mode", "abort")
     if mode not in PAUSE_MODES:
         raise BadRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    _state(request)["activity"].paused()
     await asyncio.to_thread(engine.pause, mode)
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -280,6 +293,7 @@ async def continue_generation(request: web.Request) -> web.Response:
     engine = _engine(request)
     await _json(request)
     await asyncio.to_thread(engine.continue_generation)
+    _state(request)["activity"].continued()
     return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
@@ -294,12 +308,13 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         raise BadRequest("weight_version must be a string or null")
     abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
     _bool(body.get("flush_cache", True), "flush_cache")  # no cache to flush, but check it
-    success, message, num_paused = await asyncio.to_thread(
-        engine.update_weights,
-        model_path,
-        None if version is None else str(version),
-        abort_all,
-    )
+    with _state(request)["activity"].loading(version):
+        success, message, num_paused = await asyncio.to_thread(
+            engine.update_weights,
+            model_path,
+            None if version is None else str(version),
+            abort_all,
+        )
     content = {"success": success, "message": message, "num_paused_requests": num_paused}
     return web.json_response(content, status=200 if success else 400)
 
@@ -382,7 +397,9 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 def create_app(tokenizer_path: str) -> web.Application:
     """The application; put the engine at app[ENGINE_KEY]["engine"] once it is loaded."""
     app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
-    app[ENGINE_KEY] = {"engine": None, "tokenizer_path": tokenizer_path}
+    state: dict = {"engine": None, "tokenizer_path": tokenizer_path}
+    state["activity"] = ServerActivity(lambda: getattr(state["engine"], "weight_version", None))
+    app[ENGINE_KEY] = state
     app.router.add_route("POST", "/generate", generate)
     app.router.add_route("PUT", "/generate", generate)
     app.router.add_post("/pause_generation", pause_generation)
@@ -484,6 +501,7 @@ async def serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
         return 1
     app[ENGINE_KEY]["engine"] = engine
+    rolelog.set_context(version=lambda: engine.weight_version)
     print(f"areal embedded server ready at http://{args.host}:{args.port}", flush=True)
     await stop.wait()
     logger.info("shutting down")
@@ -501,8 +519,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--weight-version", default="0")
+    parser.add_argument(
+        "--events-file", help="record generate/pause/load spans here (areal/events.py)"
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.events_file:
+        events.configure(args.events_file, Path(args.events_file).stem)
+    rolelog.setup(Path(args.events_file).stem if args.events_file else "server")
     try:
         from transformers.utils import logging as hf_logging
 

@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from areal import rolelog
 from areal.rollout.client import ServerDied, SGLangClient
 from areal.trajectory import Trajectory
 
@@ -173,6 +174,7 @@ class RolloutWorker:
                     raise ServerDown(msg) from e
                 await asyncio.sleep(min(2.0**attempt, 10.0))
         self.version = version
+        rolelog.set_context(version=version)
         log.info("loaded version %d in %.2fs", version, time.time() - t0)
 
     async def _pause_load_continue(self, version: int, path: str) -> None:

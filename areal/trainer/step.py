@@ -17,10 +17,12 @@ rank gets the results (log-probs, or each micro-batch's loss statistics).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 
 import torch
 
+from areal import events
 from areal.trainer.batching import allocate_micro_batches
 from areal.trainer.parallel import DataParallel
 from areal.trainer.ppo import behaviour_weight_mask, compute_advantages, decoupled_ppo_loss
@@ -155,7 +157,8 @@ def train_step(
     # 1) proximal policy = the weights before this step's first update, for this rank's
     #    sequences only. Naive PPO uses the behaviour policy in its place.
     if use_decoupled_loss:
-        prox = proximal_logprobs(backend, [seqs[i] for i in mine], max_tokens_per_mb)
+        with events.span("proximal", version=version):
+            prox = proximal_logprobs(backend, [seqs[i] for i in mine], max_tokens_per_mb)
         for i, p in zip(mine, prox, strict=True):
             tokens[i]["prox"] = p
     else:
@@ -174,6 +177,7 @@ def train_step(
     for minibatch, share in zip(minibatches, shares, strict=True):
         if not minibatch:
             continue
+        t_update = time.time()  # the timeline's update span, to the optimizer step
         # The normaliser: valid tokens of the whole minibatch, over all ranks.
         n_local = sum(
             behaviour_weight_mask(
@@ -210,6 +214,7 @@ def train_step(
         # update to the same weights.
         backend.reduce_grads(dp)
         grad_norms.append(backend.optimizer_step())
+        events.record("update", t_update, time.time(), version=version)
 
     stats = dp.reduce_stats(stats)
     n_tok = max(stats["loss/n_valid_tokens"], 1.0)

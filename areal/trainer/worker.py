@@ -15,12 +15,13 @@ It never waits for the inference servers: they load each version while it trains
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 import torch
 
-from areal import checkpoint
+from areal import checkpoint, events, rolelog
 from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_trainer_state
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
@@ -29,6 +30,8 @@ from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory
 from areal.weights import publish
+
+log = logging.getLogger("areal.trainer")
 
 
 def make_backend(cfg, model_dir, dp: DataParallel):
@@ -120,8 +123,21 @@ def run_trainer(cfg, key: bytes, index: int = 0) -> None:
 
 def _get_batch(controller: SyncRpcClient | None, version: int, dp: DataParallel) -> dict:
     """Rank 0 asks the controller; the other ranks receive rank 0's copy of the reply."""
-    reply = controller.call("get_batch", version=version) if dp.is_main else None
-    return dp.broadcast_object(reply)
+    rolelog.set_context(step=version + 1, version=version)
+    with events.span("wait_batch", version=version):
+        reply = controller.call("get_batch", version=version) if dp.is_main else None
+        return dp.broadcast_object(reply)
+
+
+def batch_line(step: int, trajs: list[Trajectory], stale: list[int]) -> dict:
+    """One line of batches.jsonl: the per-sample figures behind a step's metrics (the
+    report's staleness and output-length distributions)."""
+    return {
+        "step": step,
+        "output_len": [len(t.output_ids) for t in trajs],
+        "staleness": stale,
+        "reward": [t.reward for t in trajs],
+    }
 
 
 def _train(cfg, key: bytes, dp: DataParallel) -> None:
@@ -155,7 +171,7 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
     metrics_path = cfg.exp_dir / "metrics.jsonl"
     t_last = time.time()
     t_start = t_last - last_time(metrics_path)  # a resumed run's clock goes on
-    with open(metrics_path, "a") as metrics:
+    with open(metrics_path, "a") as metrics, open(cfg.exp_dir / "batches.jsonl", "a") as batches:
         for step in range(version, cfg.total_train_steps):
             reply = _get_batch(controller, version, dp)
             trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
@@ -164,9 +180,12 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
             t_train = time.time() - t_batch
             stale = staleness(trajs, version)
             version += 1
-            path = publish(cfg.exp_dir, version, backend.save_hf)
-            controller.call("weights_ready", version=version, path=str(path))
+            with events.span("publish", version=version):
+                path = publish(cfg.exp_dir, version, backend.save_hf)
+                controller.call("weights_ready", version=version, path=str(path))
             now = time.time()
+            rolelog.set_context(version=version)
+            log.info("trained in %.2fs, published version %d", t_train, version)
             record = {
                 "step": step + 1,
                 "version": version,
@@ -182,11 +201,14 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
                 **reply["stats"],
             }
             t_last = now
+            batches.write(json.dumps(batch_line(step + 1, trajs, stale)) + "\n")
+            batches.flush()  # before metrics: a reader that sees a step finds its batch
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             freq = cfg.trainer.save_freq_steps
             if version == cfg.total_train_steps or (freq and version % freq == 0):
-                save_checkpoint(cfg, backend, controller, version)
+                with events.span("checkpoint", version=version):
+                    save_checkpoint(cfg, backend, controller, version)
     dp.barrier()
     controller.close()
 

@@ -1,0 +1,76 @@
+"""The embedded server's lane of the timeline: generate, pause and load spans (areal.events).
+
+    /generate in, out      -> request_started / request_finished
+    /pause_generation      -> paused        (ends the generate span, opens a pause span)
+    /continue_generation   -> continued     (closes the pause span; generating again if
+                                             requests are waiting)
+    /update_weights_from_disk -> loading(v) (a load span, inside the pause when interruptible)
+
+A server is "generating" while it holds at least one request and is not paused: one span
+from the first request in to the last out, not one per request, so a busy server records
+a handful of lines per weight version whatever its batch size. Requests resubmitted during
+a pause wait in the server; they count only once it continues. Called from the event loop's
+thread only (the aiohttp handlers), so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+from areal import events
+
+
+class ServerActivity:
+    def __init__(self, version: Callable[[], str | int | None]):
+        self._version = version  # the weights the server holds now
+        self._in_flight = 0
+        self._generate_start: float | None = None
+        self._pause_start: float | None = None
+
+    def request_started(self) -> None:
+        self._in_flight += 1
+        if self._in_flight == 1 and self._pause_start is None:
+            self._generate_start = time.time()
+
+    def request_finished(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._end_generate()
+
+    def paused(self) -> None:
+        self._end_generate()
+        if self._pause_start is None:
+            self._pause_start = time.time()
+
+    def continued(self) -> None:
+        if self._pause_start is not None:
+            events.record("pause", self._pause_start, time.time(), version=self._int_version())
+            self._pause_start = None
+        if self._in_flight > 0 and self._generate_start is None:
+            self._generate_start = time.time()
+
+    @contextlib.contextmanager
+    def loading(self, version: str | int | None) -> Iterator[None]:
+        # A non-interruptible update loads without a pause (its requests have drained).
+        with events.span("load", version=_as_int(version)):
+            yield
+
+    def _end_generate(self) -> None:
+        if self._generate_start is not None:
+            events.record(
+                "generate", self._generate_start, time.time(), version=self._int_version()
+            )
+            self._generate_start = None
+
+    def _int_version(self) -> int | None:
+        return _as_int(self._version())
+
+
+def _as_int(version: str | int | None) -> int | None:
+    """SGLang's weight_version is a string; ours are the integers of the trainer."""
+    try:
+        return int(version)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
