@@ -36,11 +36,16 @@ class _ContextFilter(logging.Filter):
         return True
 
 
-def setup(name: str, level: int = logging.INFO) -> None:
-    """Log to stderr (the role's logs/{name}.log under a launcher) with time and context."""
-    handler = logging.StreamHandler(sys.stderr)
+def make_handler(name: str, stream=None) -> logging.Handler:
+    """A handler writing `time name [context] logger LEVEL: message` lines."""
+    handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(_ContextFilter())
     handler.setFormatter(
         logging.Formatter(f"%(asctime)s {name} [%(context)s] %(name)s %(levelname)s: %(message)s")
     )
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    return handler
+
+
+def setup(name: str, level: int = logging.INFO) -> None:
+    """Log to stderr (the role's logs/{name}.log under a launcher) with time and context."""
+    logging.basicConfig(level=level, handlers=[make_handler(name)], force=True)

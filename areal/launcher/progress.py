@@ -75,8 +75,8 @@ def eta_seconds(times: list[tuple[int, float]], total_steps: int) -> float:
     `times` holds (step, seconds since the run started) in step order."""
     step, now = times[-1]
     first_step, first_time = times[max(0, len(times) - 1 - ETA_WINDOW)]
-    if first_step == step:  # one line: the first step's time is all we know
-        first_step, first_time = step - 1, 0.0
+    if first_step == step:  # one line: its run time over its steps is all we know
+        first_step, first_time = 0, 0.0
     per_step = (now - first_time) / max(step - first_step, 1)
     return max(total_steps - step, 0) * per_step
 
