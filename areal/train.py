@@ -131,6 +131,19 @@ def plan_run(cfg):
     return plan, alloc
 
 
+def check_loggers_installed(cfg) -> None:
+    """A configured logger whose package is missing is a setup mistake: say so before the
+    run starts (a logger that fails while running only warns)."""
+    import importlib.util
+
+    mode = cfg.stats.wandb.mode
+    if mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"stats.wandb.mode={mode} needs the wandb package: pip install 'areal[wandb]' "
+            "(or wandb), or set stats.wandb.mode=disabled"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m areal.train", description="Run an asynchronous RL experiment."
@@ -154,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"launcher.gpus_per_node={args.gpus_per_node}")
     try:
         cfg = load_config(args.config, overrides)
+        check_loggers_installed(cfg)
         plan, alloc = plan_run(cfg)
         if cfg.launcher.dry_run:
             print(f"areal: dry run ({cfg.launcher.type}); placement plan:\n{plan.describe()}")

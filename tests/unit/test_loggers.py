@@ -143,3 +143,18 @@ def test_progress_prints_each_step_with_eta_and_feeds_the_sink(tmp_path, capsys)
     assert "step    1 |" in out and "| ETA 6s" in out  # 3 steps left at 2 s each
     assert "step    2 |" in out and "| ETA 4s" in out
     assert keeping.steps == [1, 2] and keeping.closed
+
+
+def test_wandb_configured_but_not_installed_stops_before_the_run(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from areal import train
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real_find_spec(n, *a)
+    )
+    assert train.main([f"fileroot={tmp_path}", "stats.wandb.mode=online"]) == 2
+    err = capsys.readouterr().err
+    assert "stats.wandb.mode=online needs the wandb package: pip install 'areal[wandb]'" in err
+    assert not (tmp_path / "tiny").exists()  # nothing was started or prepared
