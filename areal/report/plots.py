@@ -171,7 +171,7 @@ def timeline_figure(run: data.Run):
     n_axes = 2 if window else 1
     fig, axes = plt.subplots(n_axes, 1, figsize=(12, height * n_axes), squeeze=False)
     _draw_lanes(axes[0, 0], lanes, marks)
-    axes[0, 0].set_title("the whole run (dashed: a new version published)", fontsize=9)
+    axes[0, 0].set_title("the whole run (dashed: a new version published; white: idle)", fontsize=9)
     if window:
         _draw_lanes(axes[1, 0], lanes, marks, window, label_marks=True)
         axes[1, 0].set_title(f"close-up: {ZOOM_VERSIONS} versions mid-run", fontsize=9)
