@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from areal.comm.registry import Registry
 from areal.comm.wire import seal
@@ -237,6 +238,12 @@ def test_resume_after_a_crash(tmp_path):
     assert [m["version"] for m in metrics] == list(range(1, 11))
     assert all(m["staleness/max"] <= 4 for m in metrics)
     assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == ["v000010"]
+    # The per-sample lines are trimmed like the metrics; TensorBoard is rebuilt from them.
+    batches = [json.loads(x) for x in (exp_dir / "batches.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in batches] == list(range(1, 11))
+    acc = EventAccumulator(str(exp_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, 11))
     # Nothing left to do: a second resume exits at once.
     again = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)
     assert again.returncode == 0 and "already has 10 of 10 steps" in again.stdout
