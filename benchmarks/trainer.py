@@ -12,7 +12,9 @@ forward of a micro-batch differs:
 - packed: the backend as it is, one padding-free stream per micro-batch, attention per
   sequence (areal/trainer/packed_attention.py): cost ~ sum of L_i^2;
 - padded: the usual transformers way, the micro-batch right-padded to its longest
-  sequence with an attention mask (stock SDPA), cost ~ n * L_max (and n * L_max^2);
+  sequence with an attention mask (stock SDPA), cost ~ n * L_max (and n * L_max^2).
+  First-fit micro-batches mix long and short sequences, where padding costs the most;
+  benchmarks/micro_batching.py pads fixed-count micro-batches in data order instead;
 - dense (unless --no-dense): the former packed path, one stream with a dense block-diagonal
   [T, T] mask, cost ~ T^2.
 
