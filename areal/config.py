@@ -174,7 +174,7 @@ class InferenceConfig(_Section):
     max_batch_size: int = 128
     """Sequences decoded together by one server at most."""
     num_threads: int = 0
-    """Torch threads of each embedded server; 0 = its share of the node's cores (see README)."""
+    """Torch threads of each embedded server; 0 = its share of the node's cores."""
     max_total_tokens: int = 0
     """KV-cache budget of each embedded server in tokens (rows x longest prompt + max_new);
     0 = a quarter of the memory free when it starts. A request that does not fit waits."""
@@ -316,7 +316,7 @@ class TrainerConfig(_Section):
     warmup_steps_ratio: float = 0.001
     """Fraction of total_train_steps with linear lr warm-up."""
     num_threads: int = 0
-    """Torch threads of each trainer rank; 0 = its share of the node's cores (see README)."""
+    """Torch threads of each trainer rank; 0 = its share of the node's cores."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """Dynamic micro-batching."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
