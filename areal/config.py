@@ -479,6 +479,16 @@ class ExperimentConfig(_Section):
                 "every minibatch; lower dp or n_minibatches, or raise the batch"
             )
 
+        budget = self.inference.max_total_tokens
+        longest = self.dataset.max_prompt_len + self.rollout.max_new_tokens
+        if self.inference.backend == "embedded" and 0 < budget < longest:
+            # Fail now, not with a 400 from the server in the middle of the run.
+            raise ConfigError(
+                f"inference.max_total_tokens={budget} cannot hold one request of "
+                f"dataset.max_prompt_len + rollout.max_new_tokens = {longest} tokens: raise "
+                "it (0 = a quarter of free memory) or lower those"
+            )
+
     @property
     def exp_dir(self) -> Path:
         return Path(self.fileroot) / self.experiment_name / self.trial_name
