@@ -173,8 +173,11 @@ class InferenceConfig(_Section):
     """Inference server: embedded (torch, CPU-friendly) or sglang."""
     max_batch_size: int = 128
     """Sequences decoded together by one server at most."""
-    num_threads: int = 1
-    """Torch threads of each embedded server."""
+    num_threads: int = 0
+    """Torch threads of each embedded server; 0 = its share of the node's cores."""
+    max_total_tokens: int = 0
+    """KV-cache budget of each embedded server in tokens (rows x longest prompt + max_new);
+    0 = a quarter of the memory free when it starts. A request that does not fit waits."""
     python: str = ""
     """Interpreter that runs SGLang; empty = this one."""
     startup_timeout_s: float = 300.0
@@ -198,9 +201,10 @@ class InferenceConfig(_Section):
         self._check_types()
         self._one_of("backend", ("embedded", "sglang"))
         self._positive(
-            "max_batch_size", "num_threads", "startup_timeout_s", "tp_size",
+            "max_batch_size", "startup_timeout_s", "tp_size",
             "update_timeout_s", "update_retries",
         )  # fmt: skip
+        self._non_negative("num_threads", "max_total_tokens")
         if self.max_restarts < 0:
             self._fail("max_restarts", f"must be >= 0, got {self.max_restarts!r} (0 = never)")
         if not 0 < self.mem_fraction < 1:
@@ -311,8 +315,8 @@ class TrainerConfig(_Section):
     """Gradient-norm clip."""
     warmup_steps_ratio: float = 0.001
     """Fraction of total_train_steps with linear lr warm-up."""
-    num_threads: int = 1
-    """Torch threads of the trainer."""
+    num_threads: int = 0
+    """Torch threads of each trainer rank; 0 = its share of the node's cores."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """Dynamic micro-batching."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -332,8 +336,8 @@ class TrainerConfig(_Section):
                 f"trainer.parallel.tp={par.tp}, pp={par.pp} need trainer.backend=megatron: "
                 "the torch backend is data-parallel only"
             )
-        self._positive("batch_size", "lr", "adam_eps", "grad_clip", "num_threads")
-        self._non_negative("weight_decay", "save_freq_steps")
+        self._positive("batch_size", "lr", "adam_eps", "grad_clip")
+        self._non_negative("weight_decay", "save_freq_steps", "num_threads")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             self._fail(
                 "betas", f"must be two numbers in [0, 1), got {self.betas!r}; e.g. [0.9, 0.95]"
@@ -506,6 +510,16 @@ class ExperimentConfig(_Section):
                 f"trainer.parallel.dp ({dp}) x ppo.n_minibatches ({self.ppo.n_minibatches}) "
                 f"exceeds the {n_traj} trajectories of a batch: every rank needs a share of "
                 "every minibatch; lower dp or n_minibatches, or raise the batch"
+            )
+
+        budget = self.inference.max_total_tokens
+        longest = self.dataset.max_prompt_len + self.rollout.max_new_tokens
+        if self.inference.backend == "embedded" and 0 < budget < longest:
+            # Fail now, not with a 400 from the server in the middle of the run.
+            raise ConfigError(
+                f"inference.max_total_tokens={budget} cannot hold one request of "
+                f"dataset.max_prompt_len + rollout.max_new_tokens = {longest} tokens: raise "
+                "it (0 = a quarter of free memory) or lower those"
             )
 
     @property

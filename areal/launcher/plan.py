@@ -14,9 +14,13 @@ everything. With GPUs every training GPU is a rank, and dp = training GPUs / (tp
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from areal.config import ConfigError
+
+CPU_SHARE_ENV = "AREAL_CPU_SHARE"
+"""Set on the CPU steps that compute (servers, trainer ranks): how many share the node's cores."""
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,15 @@ def make_plan(
     else:
         inference, trainers = _cpu_split(cfg, nodes)
         n_inf = n_train = 0
+    # CPU servers and trainer ranks split their node's cores (a GPU step computes on its GPU).
+    sharing = [node for node, gpus, _ in (*inference, *trainers) if not gpus]
+
+    def share(node: str, gpus: int) -> dict[str, str]:
+        return {} if gpus else {CPU_SHARE_ENV: str(sharing.count(node))}
+
     steps: list[Step] = []
     for k, (node, gpus, first) in enumerate(inference):
-        steps.append(Step("server", k, node, gpus, gpu_ids=_ids(gpus, first)))
+        steps.append(Step("server", k, node, gpus, _ids(gpus, first), share(node, gpus)))
     # Service roles share the first node's CPUs; each rollout worker sits beside its server.
     steps.append(Step("reward", 0, nodes[0]))
     for k, (node, *_) in enumerate(inference):
@@ -123,9 +133,20 @@ def make_plan(
             "LOCAL_RANK": str(sum(n == node for n, *_ in trainers[:rank]) if not gpus else 0),
             "MASTER_ADDR": master,
             "MASTER_PORT": str(master_port),
+            **share(node, gpus),
         }
         steps.append(Step("trainer", rank, node, gpus, _ids(gpus, first), env))
     return Plan(nodes, gpus_per_node, n_inf, n_train, steps)
+
+
+def role_threads(configured: int) -> int:
+    """Torch threads of a computing role: `configured` if > 0, else (0, the default) the cores
+    this process may run on divided among the roles sharing them (AREAL_CPU_SHARE): on a
+    2-core laptop a server and a trainer get one each, on a 64-core node 32 each."""
+    if configured > 0:
+        return configured
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, int(os.environ.get(CPU_SHARE_ENV, "1"))))
 
 
 def _ids(gpus: int, first: int) -> tuple[int, ...]:

@@ -7,17 +7,18 @@
    update_weights() ── load + check on disk ──► copy into the live model between steps
 ```
 
-Decoding recomputes: every step runs one forward pass over the right-padded
-[running, prompt + generated] batch and samples one token per row. Right padding needs no
-attention mask and no position ids, because causal attention never lets a real token see the
-pads that follow it, so each row's last logits are those of an unpadded forward. There is no
-KV cache to keep consistent across joins, leaves, pauses and weight updates; the cost is
-quadratic in length, which is fine for the tiny CPU model this engine exists for (large models
-are served by SGLang).
+Decoding is KV-cached (areal/rollout/kv_cache.py): each running request owns one row of the
+cache. A step 1) gives rows to newly admitted requests and compacts the rows of those that
+left, 2) prefills the requests without cached keys/values (new, or resumed after a weight
+update: nothing computed with old weights is reused, as in SGLang), 3) runs one decode
+forward over every row, 4) samples one token per row. Requests join and leave between steps.
+Memory is bounded by `max_total_tokens`, cache cells counted as rows x the longest running
+request's prompt + max_new_tokens: a request waits until it fits, and one that could never
+fit is refused when submitted.
 
 | the decode thread waits for            | unblocked by                                   |
 |----------------------------------------|------------------------------------------------|
-| a running request                      | submit(), continue_generation()                |
+| a running request (admitted if it fits) | submit(), continue_generation(), a finish     |
 | the end of a pause                     | continue_generation()                          |
 | a pending weight update (no admission) | update_weights() applying its tensors          |
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -48,6 +50,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal.rollout.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +130,15 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
     result: GenerationResult | None = None
+    # Owned by the decode thread: the cache row, and whether it holds every token but the
+    # last under the current weights.
+    row: int = -1
+    cached: bool = False
+
+    @property
+    def max_len(self) -> int:
+        """Cache cells this request may need: prompt + max_new tokens."""
+        return len(self.prompt_ids) + self.max_new
 
 
 class DecodeEngine:
@@ -142,6 +155,7 @@ class DecodeEngine:
         model_path: str,
         *,
         max_batch_size: int = 64,
+        max_total_tokens: int = 0,
         seed: int = 0,
         num_threads: int = 1,
         weight_version: str = "default",
@@ -170,6 +184,13 @@ class DecodeEngine:
         )
         self._pad_id = next(iter(self.eos_ids), 0)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._kv = KVCache(self.model, 1)
+        self.max_total_tokens = max_total_tokens or _auto_token_budget(
+            self._kv.bytes_per_token(), self.device
+        )
+        self._kv.max_cells = self.max_total_tokens
+        self._rows: list[_Request] = []  # the requests in cache rows 0..n-1 (decode thread)
+        self._kv_stale = False  # set by a weight update: every row must be recomputed
 
         self._cv = threading.Condition()
         self._held: list[_Request] = []  # submitted during a pause: not admitted yet
@@ -213,6 +234,13 @@ class DecodeEngine:
             stop_ids=stop_ids,
             future=Future(),
         )
+        if req.max_len > self.max_total_tokens:
+            raise ValueError(
+                f"the request may need {req.max_len} tokens of KV cache (prompt "
+                f"{len(prompt_ids)} + max_new_tokens {req.max_new}), more than this server's "
+                f"budget of {self.max_total_tokens} (inference.max_total_tokens): lower "
+                "max_new_tokens or raise the budget"
+            )
         finished: list[_Request] = []
         with self._cv:
             if self._stopping:
@@ -255,7 +283,7 @@ class DecodeEngine:
 
         abort: abort everything admitted (returns how many). in_place: keep the running and
         waiting requests where they are. retract: move the running ones back to the head of
-        the waiting queue (the same thing here, as there is no KV cache to free).
+        the waiting queue (their cache rows are freed unless they are readmitted at once).
         Returns the number of requests aborted or kept. Waits for the step in flight, so that
         no token is added after pause() returns.
         """
@@ -307,6 +335,7 @@ class DecodeEngine:
                     for name, tensor in tensors.items():
                         state[name].copy_(tensor)
                 self._model_path = str(model_path)
+                self._kv_stale = True
                 if weight_version is not None:
                     self._weight_version = str(weight_version)
                 kept = len(self._running) + len(self._waiting) if self._pause_mode else 0
@@ -351,6 +380,7 @@ class DecodeEngine:
                 "paused": self._pause_mode,
                 "weight_version": self._weight_version,
                 "max_batch_size": self.max_batch_size,
+                "max_total_tokens": self.max_total_tokens,
                 "total_generated_tokens": self._counters["tokens"],
                 "total_finished_reqs": self._counters["finished"],
                 "total_aborted_reqs": self._counters["aborted"],
@@ -366,6 +396,8 @@ class DecodeEngine:
                 if batch is None:
                     return
                 self._stepping = True
+                stale, self._kv_stale = self._kv_stale, False
+            batch = self._place(batch, stale)
             tokens: list[int] = []
             logprobs: list[float] = []
             error: Exception | None = None
@@ -391,9 +423,14 @@ class DecodeEngine:
     def _next_batch_locked(self) -> list[_Request] | None:
         while not self._stopping:
             if self._pause_mode is None:
-                # A pending weight update drains the running batch before it applies.
+                # A pending weight update drains the running batch before it applies. First
+                # come, first admitted: a request that does not fit yet blocks later ones.
+                longest = max((r.max_len for r in self._running), default=0)
                 while self._waiting and not self._updates_pending:
                     if len(self._running) >= self.max_batch_size:
+                        break
+                    longest = max(longest, self._waiting[0].max_len)
+                    if (len(self._running) + 1) * longest > self.max_total_tokens:
                         break
                     self._running.append(self._waiting.popleft())
                 if self._running:
@@ -401,26 +438,38 @@ class DecodeEngine:
             self._cv.wait()
         return None
 
-    @torch.inference_mode()
-    def _step(self, batch: list[_Request]) -> tuple[list[int], list[float]]:
-        seqs = [req.prompt_ids + req.output_ids for req in batch]
-        rows: list[torch.Tensor | None] = [None] * len(seqs)
-        for bucket in length_buckets([len(s) for s in seqs]):
-            for i, row in zip(bucket, self._last_logits([seqs[i] for i in bucket]), strict=True):
-                rows[i] = row
-        return sample(torch.stack(rows).float(), batch, self._generator)  # logits [B, V]
+    def _place(self, batch: list[_Request], stale: bool) -> list[_Request]:
+        """Give the batch cache rows 0..n-1, in row order: the requests that keep their row
+        are compacted to the front (in order, so no row is overwritten before it moved), new
+        ones follow. After a weight update (stale) no cached row is valid any more."""
+        members = set(batch)
+        kept = [r for r in self._rows if r in members]
+        kept_set = set(kept)
+        for row, req in enumerate(kept):
+            if req.row != row:
+                self._kv.move(req.row, row)
+                req.row = row
+            req.cached = req.cached and not stale
+        new = [r for r in batch if r not in kept_set]
+        for row, req in enumerate(new, start=len(kept)):
+            req.row, req.cached = row, False
+        self._rows = kept + new
+        self._kv.ensure(len(self._rows), max(r.max_len for r in self._rows))
+        return self._rows
 
-    def _last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Logits at the last position of each sequence, from one right-padded forward."""
-        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
-        ids = torch.full((len(seqs), int(lengths.max())), self._pad_id, device=self.device)
-        for row, seq in enumerate(seqs):
-            ids[row, : len(seq)] = torch.tensor(seq, device=self.device)
-        # Logits only at the distinct last positions: [B, K, V] instead of [B, W, V].
-        last = lengths - 1
-        keep = torch.unique(last)
-        logits = self.model(input_ids=ids, logits_to_keep=keep).logits
-        return logits[torch.arange(len(seqs)), torch.searchsorted(keep, last)]  # [B, V]
+    def _step(self, batch: list[_Request]) -> tuple[list[int], list[float]]:
+        """1) prefill the requests not cached 2) one decode forward over all 3) sample."""
+        todo = [r for r in batch if not r.cached]
+        for req in todo:  # a one-token prompt has nothing to prefill
+            self._kv.reset(req.row)
+            req.cached = True
+        todo = [r for r in todo if len(r.prompt_ids) + len(r.output_ids) > 1]
+        prefixes = [(r.prompt_ids + r.output_ids)[:-1] for r in todo]
+        for bucket in length_buckets([len(p) for p in prefixes]):
+            self._kv.prefill([todo[i].row for i in bucket], [prefixes[i] for i in bucket])
+        last = [(r.output_ids or r.prompt_ids)[-1] for r in batch]
+        logits = self._kv.decode(last)  # [B, V]
+        return sample(logits.float(), batch, self._generator)
 
     def _append_locked(self, req: _Request, token: int, lp: float, out: list[_Request]) -> None:
         req.output_ids.append(token)
@@ -471,9 +520,9 @@ _STOP_TAIL_TOKENS = 64
 
 def length_buckets(lengths: list[int], max_padding: float = 0.25) -> list[list[int]]:
     """Indices grouped by similar length, longest first, each group padded by at most
-    max_padding of its cells. Without a KV cache a step recomputes every sequence, and one
-    padded forward costs rows x longest: a few short sequences beside a long one would pay
-    the long one's length (long-tailed outputs make that the usual case)."""
+    max_padding of its cells. A padded prefill costs rows x longest: a few short sequences
+    beside a long one would pay the long one's length (after a weight update every running
+    request is prefilled again, and long-tailed outputs make that the usual case)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     buckets: list[list[int]] = []
     total = 0
@@ -495,32 +544,38 @@ def sample(
     """One token per row of logits [B, V], and its log-prob before top-p/top-k filtering."""
     device = logits.device
     params = [req.params for req in batch]
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-    scaled = logits / temps[:, None]  # [B, V]
-    logprobs = torch.log_softmax(scaled, dim=-1)  # what the trainer recomputes
-    masked = scaled.clone()
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        logits = logits / torch.tensor(temps, device=device)[:, None]
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V], what the trainer recomputes
+    masked = logprobs
     for row, req in enumerate(batch):
         if len(req.output_ids) < req.params.min_new_tokens and req.stop_ids:
+            masked = masked.clone() if masked is logprobs else masked
             masked[row, list(req.stop_ids)] = float("-inf")
-    greedy = torch.tensor([p.greedy for p in params], device=device)
-    if bool(greedy.all()):
-        sampled = masked.argmax(dim=-1)
-    elif any(p.top_k > 0 or p.top_p < 1 for p in params):
-        vocab = masked.shape[-1]
-        sorted_logits, order = masked.sort(dim=-1, descending=True)  # [B, V]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        ranks = torch.arange(vocab, device=device)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the mass before it already exceeds top_p (the first always stays).
-        beyond = probs.cumsum(dim=-1) - probs > top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(beyond, float("-inf"))
-        picked = torch.multinomial(torch.softmax(sorted_logits, -1), 1, generator=generator)
-        sampled = order.gather(1, picked).squeeze(1)
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        tokens = masked.argmax(dim=-1)
     else:
-        sampled = torch.multinomial(torch.softmax(masked, -1), 1, generator=generator).squeeze(1)
-    tokens = torch.where(greedy, masked.argmax(dim=-1), sampled)
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            vocab = masked.shape[-1]
+            sorted_lp, order = masked.sort(dim=-1, descending=True)  # [B, V]
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+            ranks = torch.arange(vocab, device=device)
+            sorted_lp = sorted_lp.masked_fill(ranks >= top_k.to(device)[:, None], float("-inf"))
+            probs = torch.softmax(sorted_lp, dim=-1)
+            # Drop a token once the mass before it already exceeds top_p (the first stays).
+            beyond = probs.cumsum(dim=-1) - probs > top_p[:, None]
+            sorted_lp = sorted_lp.masked_fill(beyond, float("-inf"))
+            picked = torch.multinomial(torch.softmax(sorted_lp, -1), 1, generator=generator)
+            tokens = order.gather(1, picked).squeeze(1)
+        else:
+            # exp(log_softmax) is the distribution itself (multinomial renormalises what a
+            # min_new_tokens mask removed).
+            tokens = torch.multinomial(masked.exp(), 1, generator=generator).squeeze(1)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=device), masked.argmax(-1), tokens)
     token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return tokens.tolist(), token_logprobs.tolist()
 
@@ -555,6 +610,15 @@ def _load_checked(model: torch.nn.Module, model_path: str) -> dict[str, torch.Te
     if problems:
         raise ValueError("; ".join(problems))
     return tensors
+
+
+def _auto_token_budget(bytes_per_token: int, device: torch.device) -> int:
+    """A quarter of the memory available now, in cache tokens (max_total_tokens=0)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(1, free // 4 // bytes_per_token)
 
 
 def _abort(message: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from areal.comm import net
 from areal.comm.registry import Registry
 from areal.config import ConfigError
 from areal.events import events_path
+from areal.launcher.plan import role_threads
 
 SUPPORTED_SGLANG = "0.5.23"
 """The SGLang release whose HTTP API we speak; pyproject's `sglang` extra pins the same."""
@@ -57,7 +58,9 @@ def server_command(cfg, k: int, host: str, port: int) -> list[str]:
             "--host": host,
             "--port": port,
             "--max-batch-size": inf.max_batch_size,
-            "--num-threads": inf.num_threads,
+            "--max-total-tokens": inf.max_total_tokens,
+            # Resolved here, in the server's own step: its cores and its share of them.
+            "--num-threads": role_threads(inf.num_threads),
             "--seed": cfg.seed + k,
             "--weight-version": version,
         }

@@ -12,7 +12,8 @@ the engine call run in a worker thread; nothing blocks the event loop. /health a
 until the model is loaded, which happens after the port is open.
 
     python -m areal.rollout.server --model DIR --port N [--host 127.0.0.1]
-        [--max-batch-size 64] [--seed 0] [--num-threads 1] [--weight-version 0]
+        [--max-batch-size 64] [--max-total-tokens 0] [--seed 0] [--num-threads 1]
+        [--weight-version 0]
 """
 
 from __future__ import annotations
@@ -492,6 +493,7 @@ async def serve(args: argparse.Namespace) -> int:
             DecodeEngine,
             args.model,
             max_batch_size=args.max_batch_size,
+            max_total_tokens=args.max_total_tokens,
             seed=args.seed,
             num_threads=args.num_threads,
             weight_version=args.weight_version,
@@ -518,6 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=0,
+        help="KV-cache budget in tokens (rows x longest request); 0: a quarter of free memory",
+    )
     parser.add_argument("--weight-version", default="0")
     parser.add_argument(
         "--events-file", help="record generate/pause/load spans here (areal/events.py)"

@@ -25,6 +25,7 @@ from areal import checkpoint, events, rolelog
 from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_trainer_state
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
+from areal.launcher.plan import role_threads
 from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
@@ -142,7 +143,7 @@ def batch_line(step: int, trajs: list[Trajectory], stale: list[int]) -> dict:
 
 def _train(cfg, key: bytes, dp: DataParallel) -> None:
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.trainer.num_threads)
+    torch.set_num_threads(role_threads(cfg.trainer.num_threads))
     # Every rank loads the same weights and optimizer state, so that identical summed
     # gradients keep them identical; rank 0 alone writes them back.
     resume_from = latest(cfg.exp_dir) if cfg.resume else None

@@ -323,14 +323,21 @@ def test_client_disconnect_aborts_its_request(server, prompts):
     async def body(client: SGLangClient):
         before = (await info(server))["total_aborted_reqs"]
         payload = {"input_ids": prompts[0], "sampling_params": LONG}
-        with pytest.raises(asyncio.TimeoutError):
-            await raw(
-                "POST", server + "/generate", json=payload, timeout=aiohttp.ClientTimeout(0.3)
+        # Held by a pause, the request is still in flight when the client gives up, however
+        # fast the engine decodes.
+        await client.pause_generation("in_place")
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await raw(
+                    "POST", server + "/generate", json=payload, timeout=aiohttp.ClientTimeout(0.3)
+                )
+            # The handler notices the closed connection within a second and frees the slot.
+            await wait_for_info(
+                server,
+                lambda s: s["total_aborted_reqs"] == before + 1 and s["num_held_reqs"] == 0,
             )
-        # The handler notices the closed connection within a second and frees the slot.
-        await wait_for_info(
-            server, lambda s: s["total_aborted_reqs"] == before + 1 and s["num_running_reqs"] == 0
-        )
+        finally:
+            await client.continue_generation()
 
     run(body, server)
 

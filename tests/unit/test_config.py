@@ -269,3 +269,10 @@ def test_module_main_prints_resolved_config() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "lr: 0.5" in proc.stdout
+
+
+def test_a_kv_cache_budget_that_cannot_hold_one_request_is_refused():
+    with pytest.raises(ConfigError, match="inference.max_total_tokens=100 cannot hold"):
+        load_config(None, ["inference.max_total_tokens=100", "rollout.max_new_tokens=64"])
+    cfg = load_config(None, ["inference.max_total_tokens=2048", "dataset.max_prompt_len=512"])
+    assert cfg.inference.max_total_tokens == 2048

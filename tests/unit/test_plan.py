@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,25 @@ def test_local_launcher_gives_each_gpu_step_its_own_gpus_and_cpu_roles_none() ->
     gpu_steps = [v for v in seen.values() if v]
     assert sorted(gpu_steps) == [str(i) for i in range(8)]  # each GPU held by one step
     assert seen["controller0"] == seen["rollout0"] == seen["reward0"] == ""
+
+
+def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> None:
+    from areal.launcher.plan import CPU_SHARE_ENV, role_threads
+
+    cfg = load_config(
+        str(REPO / "configs/tiny.yaml"), ["rollout.n_servers=2", "trainer.parallel.dp=2"]
+    )
+    plan = make_plan(cfg, nodes(1), 0)
+    computing = [s for s in plan.steps if s.role in ("server", "trainer")]
+    assert len(computing) == 4 and {s.env[CPU_SHARE_ENV] for s in computing} == {"4"}
+    assert all(CPU_SHARE_ENV not in s.env for s in plan.steps if s not in computing)
+    # With GPUs a step computes on its own GPU: no share of the CPUs.
+    gpu_cfg = load_config(str(REPO / "configs/math_1.5b.yaml"))
+    assert all(CPU_SHARE_ENV not in s.env for s in make_plan(gpu_cfg, nodes(16), 8).steps)
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv(CPU_SHARE_ENV, "4")
+    assert role_threads(0) == max(1, cores // 4)
+    assert role_threads(3) == 3  # configured: taken as it is
+    monkeypatch.delenv(CPU_SHARE_ENV)
+    assert role_threads(0) == cores

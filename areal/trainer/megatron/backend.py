@@ -8,7 +8,7 @@ Two paths behind one interface, chosen by what the machine has:
 
 | piece      | CPU (tests, tiny runs)                 | GPU                                    |
 |------------|----------------------------------------|----------------------------------------|
-| layers     | local spec, explicit block-causal mask | TE spec, packed THD sequences (if TE)  |
+| layers     | local spec, SDPA per packed sequence   | TE spec, packed THD sequences (if TE)  |
 | parameters | model.dtype                            | model.dtype (bf16) in Float16Module    |
 | pp = 1     | batching.forward_backward_loop         | batching.forward_backward_loop         |
 | pp > 1     | pipeline.gpipe (gloo send/recv)        | gpu.forward_backward_pipelined (1F1B)  |
@@ -123,29 +123,28 @@ class MegatronBackend:
         vocab-parallel logits on the last PP stage, hidden states on the others."""
         input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
-        kwargs = {}
-        if self.packed_thd:
-            from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.packed_seq_params import PackedSeqParams
 
-            cu = cu_seqlens.to(self.device, torch.int32)
-            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            kwargs["packed_seq_params"] = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                max_seqlen_q=longest,
-                max_seqlen_kv=longest,
-            )
-            mask = None
+        cu = cu_seqlens.to(self.device, torch.int32)
+        if self.packed_thd:
+            # TE's THD kernels; the rotary embedding restarts at each cu_seqlens boundary.
+            layout, max_len = "thd", int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         else:
-            # Local attention needs an explicit mask; True = masked out (Megatron's convention).
-            lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(self.device)
-            seg = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), lens)
-            n = len(input_ids)
-            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            mask = ~((seg[:, None] == seg[None, :]) & causal)[None, None]
+            # The local spec's PackedDotProductAttention: causal SDPA per sequence, no mask.
+            # Megatron sizes the rotary table by max_seqlen, and without THD it rotates the
+            # stream by positions 0..T-1: RoPE is relative, so a sequence's attention is the
+            # same as with its positions restarting at 0.
+            layout, max_len = "sbhd", len(input_ids)
+        packed = PackedSeqParams(
+            qkv_format=layout,
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+        )
+        kwargs = {"packed_seq_params": packed}
         model = model if model is not None else self.model
-        output = model(input_ids[None], position_ids[None], mask, **kwargs)
+        output = model(input_ids[None], position_ids[None], None, **kwargs)
         return output, input_ids, kwargs
 
     def _forward(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:

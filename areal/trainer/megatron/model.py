@@ -142,7 +142,8 @@ def build_gpt_model(shape: Qwen2Shape, tp: int, pp: int, dtype: str = "float32")
 
     Needs megatron's model-parallel groups (parallel_state.initialize_model_parallel).
     With TransformerEngine on a GPU the TE layer spec (fused kernels, packed THD
-    sequences); otherwise the local spec that runs on CPU.
+    sequences); otherwise the local spec that runs on CPU, its core attention replaced by
+    one that runs a packed stream per sequence (packed_attention.py) instead of a mask.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -157,7 +158,10 @@ def build_gpt_model(shape: Qwen2Shape, tp: int, pp: int, dtype: str = "float32")
     if has_transformer_engine():
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
+        from areal.trainer.megatron.packed_attention import PackedDotProductAttention
+
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     with cuda_redirect.cpu_tensors_stay():  # tied embeddings with pp > 1 (see cuda_redirect)
         model = GPTModel(
             config=config,

@@ -1,0 +1,40 @@
+"""Megatron's local core attention for packed streams on CPU: per-sequence SDPA, no mask.
+
+Megatron's local DotProductAttention needs an explicit [T, T] mask and materialises
+[heads, T, T] scores; its THD packing needs TransformerEngine (GPU). This subclass takes
+the sequence boundaries as Megatron's own PackedSeqParams (cu_seqlens_q, in the "sbhd"
+layout the local spec uses) and runs causal SDPA once per sequence
+(areal.trainer.packed_attention): the cost of a micro-batch is sum(L_i^2), not T^2.
+Without PackedSeqParams it is DotProductAttention unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from areal.trainer.packed_attention import causal_attention_per_sequence
+
+
+class PackedDotProductAttention(DotProductAttention):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """q [T, 1, heads, d], k/v [T, 1, kv heads, d] (this TP rank's) -> [T, 1, heads * d]."""
+        if packed_seq_params is None:
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias
+            )
+        assert attention_mask is None and attention_bias is None, "a packed stream has no mask"
+        assert packed_seq_params.qkv_format == "sbhd" and query.shape[1] == 1
+        lens = torch.diff(packed_seq_params.cu_seqlens_q).tolist()
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [1, heads, T, d]
+        out = causal_attention_per_sequence(q, k, v, lens, self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], 1, -1)

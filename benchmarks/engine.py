@@ -1,0 +1,127 @@
+"""The embedded engine's decoding against transformers' `generate`, and its cost in context.
+
+    python benchmarks/engine.py [--shapes 145k,4m] [--batch 64] [--threads 1] [--repeats 3]
+
+1) Decode throughput: the same random Qwen2, batch, prompt (20 tokens), sampling at
+   temperature 1 and number of torch threads; every sequence generates exactly the shape's
+   new tokens (ignore_eos / min_new_tokens). `generate` runs its batch with its own KV cache;
+   the engine (areal.rollout.engine.DecodeEngine, in process, no HTTP) gets the same requests
+   submitted at once. Tokens/s = batch x new tokens / wall time; medians of the repeats, the
+   variants interleaved. Shapes: 145k (hidden 64, 2 layers, 32 new tokens) and 4m (hidden
+   256, intermediate 1024, 4 layers, 8/4 heads, 128 new tokens), the issue's geometry.
+2) Context: the cost of one decode step (KV-cached forward + sampling) with every row at
+   context 16 against context 2,048, at --batch rows and at --context-batch rows (8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from concurrent.futures import Future
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from areal.rollout.engine import DecodeEngine, SamplingParams, _Request, sample
+from areal.rollout.kv_cache import KVCache
+
+SHAPES = {
+    "145k": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2), 32),
+    "4m": (dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4), 128),
+}  # fmt: skip
+PROMPT = list(range(3, 23))
+
+
+def make_model(shape: str) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=1000, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=0,
+        **SHAPES[shape][0],
+    )  # fmt: skip
+    return Qwen2ForCausalLM(config).eval()
+
+
+def hf_generate(model, batch: int, new: int) -> float:
+    ids = torch.tensor([PROMPT] * batch)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+            max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+        )  # fmt: skip
+    assert out.shape == (batch, len(PROMPT) + new)
+    return batch * new / (time.perf_counter() - start)
+
+
+def engine_generate(engine: DecodeEngine, batch: int, new: int, tag: str) -> float:
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=1.0)
+    start = time.perf_counter()
+    futures = [engine.submit(f"{tag}-{i}", PROMPT, params) for i in range(batch)]
+    outputs = [f.result(timeout=600) for f in futures]
+    assert all(len(o.output_ids) == new for o in outputs)
+    return batch * new / (time.perf_counter() - start)
+
+
+def decode_step_ms(model, rows: int, context: int, steps: int = 10) -> float:
+    """Median ms of one cached decode forward + sampling with every row at `context`."""
+    cache = KVCache(model, max_cells=rows * (context + steps + 1))
+    cache.ensure(rows, context + steps + 1)
+    cache.prefill(list(range(rows)), [[1 + t % 900 for t in range(context)]] * rows)
+    params = SamplingParams(max_new_tokens=steps + 1)
+    reqs = [
+        _Request(rid=str(i), prompt_ids=[1], params=params, max_new=1, stop_ids=frozenset([0]),
+                 future=Future())
+        for i in range(rows)
+    ]  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = cache.decode([5] * rows)
+        sample(logits.float(), reqs, generator)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="145k,4m")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context-batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"threads {args.threads}, batch {args.batch}, prompt {len(PROMPT)} tokens, sampling")
+    print(f"{'shape':>6} {'new':>5} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>7}")
+    for shape in args.shapes.split(","):
+        model = make_model(shape)
+        new = SHAPES[shape][1]
+        with tempfile.TemporaryDirectory() as d:
+            model.save_pretrained(d)
+            engine = DecodeEngine(d, max_batch_size=args.batch, num_threads=args.threads)
+            hf_generate(model, args.batch, 4)  # warm-up, both
+            engine_generate(engine, args.batch, 4, "warm")
+            hf, ours = [], []
+            for r in range(args.repeats):
+                hf.append(hf_generate(model, args.batch, new))
+                ours.append(engine_generate(engine, args.batch, new, str(r)))
+            engine.shutdown()
+        h, o = statistics.median(hf), statistics.median(ours)
+        print(f"{shape:>6} {new:>5} {h:>15.0f} {o:>13.0f} {o / h:>6.2f}x")
+    print()
+    print(f"{'shape':>6} {'rows':>5} {'step ms @16':>12} {'step ms @2048':>14} {'ratio':>7}")
+    for shape in args.shapes.split(","):
+        model = make_model(shape)
+        for rows in sorted({args.context_batch, args.batch}):
+            short = decode_step_ms(model, rows, 16)
+            long = decode_step_ms(model, rows, 2048)
+            print(f"{shape:>6} {rows:>5} {short:>12.2f} {long:>14.2f} {long / short:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""One PPO step's tokens/s: packed micro-batches without a [T, T] mask against padded ones.
+
+    python benchmarks/trainer.py [--n-seqs 64] [--repeats 3] [--median-len 100] [--no-dense]
+
+The trainer's own step (`areal.trainer.step.train_step`: proximal log-probs, then
+ppo.n_minibatches updates) with a TorchBackend on a random Qwen2 of ~4M parameters
+(hidden 256, intermediate 1024, 4 layers, 8 heads / 4 KV heads), on one batch of
+long-tailed lengths (lognormal output lengths clipped to 10..1500 after a short prompt).
+All variants get the same trajectories and the same dynamic micro-batches; only the
+forward of a micro-batch differs:
+
+- packed: the backend as it is, one padding-free stream per micro-batch, attention per
+  sequence (areal/trainer/packed_attention.py): cost ~ sum of L_i^2;
+- padded: the usual transformers way, the micro-batch right-padded to its longest
+  sequence with an attention mask (stock SDPA), cost ~ n * L_max (and n * L_max^2).
+  First-fit micro-batches mix long and short sequences, where padding costs the most;
+  benchmarks/micro_batching.py pads fixed-count micro-batches in data order instead;
+- dense (unless --no-dense): the former packed path, one stream with a dense block-diagonal
+  [T, T] mask, cost ~ T^2.
+
+Tokens/s counts every token of the batch (prompt and output) per second of the whole step;
+medians over --repeats, the variants interleaved so that all see the same machine, after
+one warm-up step each on a small batch. The last line is the ratio packed / padded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from areal.models.tiny import build_tokenizer, tiny_config
+from areal.trainer.step import train_step
+from areal.trainer.torch_backend import TorchBackend
+from areal.trajectory import Trajectory
+
+
+def make_model(out: Path, seed: int = 0) -> Path:
+    """A random ~4M-parameter Qwen2 with the project's offline tokenizer."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(seed)
+    config = tiny_config(tokenizer, hidden=256, layers=4)
+    config.intermediate_size, config.num_attention_heads, config.num_key_value_heads = 1024, 8, 4
+    config.max_position_embeddings = 2048
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+class PaddedBackend(TorchBackend):
+    """Each micro-batch right-padded to its longest sequence, with a padding mask."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model.set_attn_implementation("sdpa")
+
+    def logprobs(self, seqs):
+        lens = [len(s) for s in seqs]
+        input_ids = torch.full((len(seqs), max(lens)), self.model.config.pad_token_id)
+        attention_mask = torch.zeros_like(input_ids)
+        for b, s in enumerate(seqs):
+            input_ids[b, : len(s)] = torch.tensor(s)
+            attention_mask[b, : len(s)] = 1
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        logits = logits[:, :-1].float() / self.temperature  # [B, L_max - 1, V]
+        token_lp = torch.log_softmax(logits, -1).gather(2, input_ids[:, 1:, None])[..., 0]
+        return torch.cat([token_lp[b, : n - 1] for b, n in enumerate(lens)])
+
+
+class DenseMaskBackend(TorchBackend):
+    """The former packed path: one stream, a dense block-diagonal causal [T, T] mask."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model.set_attn_implementation("sdpa")
+
+    def logprobs(self, seqs):
+        lens = torch.tensor([len(s) for s in seqs])
+        input_ids = torch.tensor([t for s in seqs for t in s])
+        position_ids = torch.cat([torch.arange(n) for n in lens.tolist()])
+        seg = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+        total = len(input_ids)
+        causal = torch.ones(total, total, dtype=torch.bool).tril()
+        mask = ((seg[:, None] == seg[None, :]) & causal)[None, None]  # [1, 1, T, T]
+        logits = self.model(
+            input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask
+        ).logits[0]
+        logits = logits.float() / self.temperature
+        token_lp = torch.log_softmax(logits, -1).gather(1, torch.roll(input_ids, -1)[:, None])
+        keep = torch.ones(total, dtype=torch.bool)
+        keep[torch.cumsum(lens, 0) - 1] = False
+        return token_lp[:, 0][keep]
+
+
+def make_trajectories(n: int, vocab: int, median: float, sigma: float, seed: int):
+    rng = np.random.default_rng(seed)
+    out_lens = np.clip(rng.lognormal(np.log(median), sigma, n), 10, 1500).astype(int)
+    trajs = []
+    for i, n_out in enumerate(out_lens.tolist()):
+        prompt = rng.integers(vocab, size=int(rng.integers(16, 48))).tolist()
+        output = rng.integers(vocab, size=n_out).tolist()
+        trajs.append(
+            Trajectory(
+                group_id=i // 8,
+                prompt_ids=prompt,
+                output_ids=output,
+                logprobs=(-rng.exponential(3.0, n_out)).tolist(),
+                versions=[0] * n_out,
+                reward=float(rng.choice([-5.0, 5.0])),
+            )
+        )
+    return trajs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-seqs", type=int, default=64, help="trajectories per step")
+    parser.add_argument("--median-len", type=float, default=100, help="median output length")
+    parser.add_argument("--sigma", type=float, default=1.3, help="lognormal spread")
+    parser.add_argument("--max-tokens-per-mb", type=int, default=4096)
+    parser.add_argument("--n-minibatches", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-dense", action="store_true", help="skip the dense-mask variant")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    variants = {"packed": TorchBackend, "padded": PaddedBackend}
+    if not args.no_dense:
+        variants["dense"] = DenseMaskBackend
+    kw = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model(Path(tmp) / "model")
+        backends = {
+            v: cls(model_dir, warmup_steps=0, device="cpu", **kw) for v, cls in variants.items()
+        }
+    vocab = backends["packed"].model.config.vocab_size
+    n_params = sum(p.numel() for p in backends["packed"].model.parameters())
+    trajs = make_trajectories(args.n_seqs, vocab, args.median_len, args.sigma, seed=0)
+    warm = make_trajectories(8, vocab, 32, 0.5, seed=1)
+    lens = [len(t.prompt_ids) + len(t.output_ids) for t in trajs]
+    n_tokens = sum(lens)
+    step_kw = dict(
+        eps_clip=0.2,
+        use_decoupled_loss=True,
+        behav_imp_weight_cap=None,
+        n_minibatches=args.n_minibatches,
+        adv_norm="batch",
+        max_tokens_per_mb=args.max_tokens_per_mb,
+    )
+    print(
+        f"{args.n_seqs} sequences, {n_tokens} tokens (lengths: median {int(np.median(lens))}, "
+        f"max {max(lens)}); Qwen2 {n_params / 1e6:.1f}M params; {args.n_minibatches} "
+        f"minibatches, max_tokens_per_mb={args.max_tokens_per_mb}; {args.threads} thread(s)"
+    )
+
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for v in variants:
+        train_step(backends[v], warm, **step_kw)
+    for r in range(args.repeats):
+        for v in variants:
+            t0 = time.perf_counter()
+            train_step(backends[v], trajs, seed=r, **step_kw)
+            times[v].append(time.perf_counter() - t0)
+    tput = {v: n_tokens / statistics.median(times[v]) for v in variants}
+    print(f"{'variant':<8} {'tokens/s':>9}   step seconds")
+    for v in variants:
+        spread = ", ".join(f"{t:.2f}" for t in times[v])
+        print(f"{v:<8} {tput[v]:9.0f}   {spread}")
+    if "dense" in tput:
+        print(f"packed / dense: {tput['packed'] / tput['dense']:.2f}x")
+    print(f"packed / padded: {tput['packed'] / tput['padded']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

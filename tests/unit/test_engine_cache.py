@@ -1,0 +1,207 @@
+"""The KV-cached engine against a full transformers forward, token by token.
+
+Every returned log-prob must equal log_softmax(logits / T) of a plain forward over
+prompt + output with the weights that generated that token, across joins, leaves, pauses in
+every mode, aborts, resumes and weight updates (a resumed request recomputes its cache).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from areal.rollout.engine import DecodeEngine, SamplingParams
+from areal.rollout.kv_cache import KVCache
+
+TEMP = 0.7
+ATOL = 1e-4
+
+
+def _config(**kw) -> Qwen2Config:
+    base = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+    )
+    return Qwen2Config(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two weight sets of one architecture: A in model/, B in weights_b/ (safetensors only)."""
+    root = tmp_path_factory.mktemp("engine")
+    torch.manual_seed(0)
+    a = Qwen2ForCausalLM(_config()).eval()
+    a.save_pretrained(root / "model")
+    torch.manual_seed(1)
+    b = Qwen2ForCausalLM(_config()).eval()
+    (root / "weights_b").mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in b.state_dict().items() if k != "lm_head.weight"},
+        root / "weights_b" / "model.safetensors",
+    )
+    return {"dir": root, "a": a, "b": b}
+
+
+@pytest.fixture
+def engine(models):
+    eng = DecodeEngine(
+        str(models["dir"] / "model"), max_batch_size=8, seed=3, max_total_tokens=8 * 200
+    )
+    yield eng
+    eng.shutdown()
+
+
+def _params(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=TEMP, ignore_eos=True, **kw)
+
+
+def _reference(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0] / TEMP
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+    return lp.gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def _check(model, prompt, output, logprobs, start: int = 0, end: int | None = None):
+    """Log-probs of output[start:end] equal model's, given everything before them."""
+    end = len(output) if end is None else end
+    ref = _reference(model, prompt, output[:end])[start:]
+    got = torch.tensor(logprobs[start:end])
+    assert len(got) == end - start
+    assert torch.allclose(got, ref, atol=ATOL), (got - ref).abs().max()
+
+
+def _wait_tokens(engine, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.stats()["total_generated_tokens"] < n:
+        assert time.monotonic() < deadline, "the engine generated nothing"
+        time.sleep(0.005)
+
+
+def _prompts(k: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 3, 17, 40, 5, 64, 2, 9][:k]
+    return [torch.randint(1, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_cached_forward_equals_full_forward_across_row_moves(models):
+    model = models["a"]
+    cache = KVCache(model, max_cells=4 * 64)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 9, 1, 30)]
+    cache.ensure(4, 64)
+    cache.prefill([0, 1, 3], [seqs[0][:-1], seqs[1][:-1], seqs[3][:-1]])
+    for step in range(12):
+        logits = cache.decode([s[-1] for s in seqs])
+        for row, s in enumerate(seqs):
+            with torch.no_grad():
+                ref = model(input_ids=torch.tensor([s])).logits[0, -1]
+            assert torch.allclose(logits[row], ref, atol=ATOL)
+        for s in seqs:
+            s.append(int(torch.randint(0, 300, (1,), generator=g)))
+        if step == 4:  # row 1 leaves; the last row moves into its place
+            cache.move(3, 1)
+            seqs[1] = seqs.pop()
+            cache.ensure(3, 64)
+
+
+def test_joins_and_leaves_keep_every_logprob_exact(engine, models):
+    prompts = _prompts(8)
+    first = [engine.submit(f"a{i}", p, _params(10 + 7 * i)) for i, p in enumerate(prompts[:4])]
+    _wait_tokens(engine, 12)  # the later ones join a running batch
+    later = [engine.submit(f"b{i}", p, _params(25)) for i, p in enumerate(prompts[4:])]
+    for prompt, fut in zip(prompts, first + later, strict=True):
+        res = fut.result(timeout=60)
+        assert res.finish_reason["type"] == "length"
+        _check(models["a"], prompt, res.output_ids, res.logprobs)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_weight_update_while_paused_recomputes_the_cache(engine, models, mode):
+    prompts = _prompts(5, seed=1)
+    futs = [engine.submit(f"r{i}", p, _params(60)) for i, p in enumerate(prompts)]
+    _wait_tokens(engine, 30)
+    assert engine.pause(mode) == 5
+    split = {f"r{i}": len(engine._by_rid[f"r{i}"].output_ids) for i in range(5)}
+    ok, _, kept = engine.update_weights(str(models["dir"] / "weights_b"), "1")
+    assert ok and kept == 5
+    engine.continue_generation()
+    for i, (prompt, fut) in enumerate(zip(prompts, futs, strict=True)):
+        res = fut.result(timeout=60)
+        k = split[f"r{i}"]
+        assert 0 < k < 60 and len(res.output_ids) == 60 and res.weight_version == "1"
+        _check(models["a"], prompt, res.output_ids, res.logprobs, end=k)
+        _check(models["b"], prompt, res.output_ids, res.logprobs, start=k)
+
+
+def test_pause_abort_then_resume_on_new_weights(engine, models):
+    prompts = _prompts(4, seed=2)
+    futs = [engine.submit(f"p{i}", p, _params(80)) for i, p in enumerate(prompts)]
+    _wait_tokens(engine, 20)
+    assert engine.pause("abort") == 4
+    partial = [f.result(timeout=10) for f in futs]
+    assert all(r.finish_reason["type"] == "abort" for r in partial)
+    assert engine.update_weights(str(models["dir"] / "weights_b"), "1")[0]
+    engine.continue_generation()
+    # The rollout worker's resume: prompt + partial output as the new prompt.
+    resumed = [
+        engine.submit(f"q{i}", p + r.output_ids, _params(80 - len(r.output_ids)))
+        for i, (p, r) in enumerate(zip(prompts, partial, strict=True))
+    ]
+    for prompt, part, fut in zip(prompts, partial, resumed, strict=True):
+        _check(models["a"], prompt, part.output_ids, part.logprobs)
+        res = fut.result(timeout=60)
+        _check(models["b"], prompt + part.output_ids, res.output_ids, res.logprobs)
+        assert len(part.output_ids) + len(res.output_ids) == 80
+
+
+def test_abort_one_request_leaves_the_others_exact(engine, models):
+    prompts = _prompts(6, seed=3)
+    futs = [engine.submit(f"x{i}", p, _params(50)) for i, p in enumerate(prompts)]
+    _wait_tokens(engine, 40)
+    assert engine.abort("x1") == 1 and engine.abort("x3") == 1
+    for i, (prompt, fut) in enumerate(zip(prompts, futs, strict=True)):
+        res = fut.result(timeout=60)
+        assert (res.finish_reason["type"] == "abort") == (i in (1, 3))
+        _check(models["a"], prompt, res.output_ids, res.logprobs)
+
+
+def test_token_budget_queues_what_does_not_fit_and_refuses_what_never_fits(models):
+    engine = DecodeEngine(str(models["dir"] / "model"), max_batch_size=8, max_total_tokens=100)
+    try:
+        with pytest.raises(ValueError, match="max_total_tokens"):
+            engine.submit("big", [1] * 20, _params(81))  # 101 cells > 100
+        # Each needs 40 cells: two run at once (80 <= 100), the third waits for a place.
+        futs = [engine.submit(f"s{i}", [1 + i] * 10, _params(30)) for i in range(3)]
+        peak = 0
+        deadline = time.monotonic() + 60
+        while not all(f.done() for f in futs):
+            assert time.monotonic() < deadline
+            peak = max(peak, engine.stats()["num_running_reqs"])
+            time.sleep(0.001)
+        assert peak <= 2
+        for i, fut in enumerate(futs):
+            res = fut.result()
+            assert len(res.output_ids) == 30
+            _check(models["a"], [1 + i] * 10, res.output_ids, res.logprobs)
+    finally:
+        engine.shutdown()
+
+
+def test_other_architectures_are_refused_with_a_clear_message():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="inference.backend=sglang"):
+        KVCache(model, max_cells=64)
