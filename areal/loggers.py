@@ -51,17 +51,19 @@ class TensorBoardLogger:
     name = "TensorBoard"
 
     def __init__(self, log_dir: Path):
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+        self._event, self._summary = Event, Summary
         shutil.rmtree(log_dir, ignore_errors=True)  # rebuilt from metrics.jsonl every launch
         self._writer = EventFileWriter(str(log_dir))
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()])
-        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
+        summary = self._summary(
+            value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()]
+        )
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=summary))
 
     def close(self) -> None:
         self._writer.close()
