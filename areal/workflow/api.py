@@ -143,8 +143,8 @@ class EpisodeRunner:
                 self._log_once(e)
                 raise EpisodeError(f"{type(e).__name__}: {e}") from e
             self.counts["timeout"] += 1
-            log.warning("episode timed out after %gs; its prompt will be generated again",
-                        self.timeout_s)  # fmt: skip
+            log.warning("episode ran past rollout.episode_timeout_s=%g; its prompt will be "
+                        "generated again", self.timeout_s)  # fmt: skip
             raise EpisodeTimeout(
                 f"the episode ran past rollout.episode_timeout_s={self.timeout_s:g}"
             ) from e

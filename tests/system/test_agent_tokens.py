@@ -121,7 +121,13 @@ async def generated(url: str) -> int:
         await client.close()
 
 
-def test_individual_samples_are_token_exact_across_a_weight_update(random_versions, tmp_path):
+@pytest.fixture(scope="module")
+def random_server(random_versions, tmp_path_factory):
+    with embedded_server(random_versions[0], tmp_path_factory.mktemp("logs") / "server.log") as url:
+        yield url
+
+
+def test_individual_samples_are_token_exact_across_a_weight_update(random_versions, random_server):
     tokenizer = AutoTokenizer.from_pretrained(random_versions[0])
     sent: list[list[dict]] = []
     seen: list[tuple[str, int]] = []
@@ -154,8 +160,7 @@ def test_individual_samples_are_token_exact_across_a_weight_update(random_versio
         finally:
             await served.close()
 
-    with embedded_server(random_versions[0], tmp_path / "server.log") as url:
-        group, c = asyncio.run(body(url))
+    group, c = asyncio.run(body(random_server))
 
     assert group is not None and len(group) == 3  # one sample per call
     models = [
@@ -268,3 +273,97 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
             runs.append((start, i))
             start = None
     return runs
+
+
+async def _one_call(client):
+    return await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "1+1="}], max_tokens=2
+    )
+
+
+async def _raises(data, client):
+    await _one_call(client)
+    raise ValueError("a bug in the agent")
+
+
+async def _garbage(data, client):
+    await _one_call(client)
+    return "seven"
+
+
+async def _unknown_call(data, client):
+    await _one_call(client)
+    return {"chatcmpl-not-mine": 1.0}
+
+
+async def _not_finite(data, client):
+    await _one_call(client)
+    return float("nan")
+
+
+async def _no_call(data, client):
+    return 1.0
+
+
+async def _overruns(data, client):
+    for _ in range(5):
+        try:
+            await _one_call(client)
+        except Exception:  # the agent swallows the refusal: still an overrun episode
+            pass
+    return 1.0
+
+
+async def _hangs(data, client):
+    await _one_call(client)
+    await asyncio.sleep(60)
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("agent", "needle", "counter"),
+    [
+        (_raises, "a bug in the agent", "rejected"),
+        (_garbage, "return a float", "rejected"),
+        (_unknown_call, "no call of its episode", "rejected"),
+        (_not_finite, "finite", "rejected"),
+        (_no_call, "made no call", "rejected"),
+        (_overruns, "max_turns=2", "rejected"),
+        (_hangs, "episode_timeout_s", "timeout"),
+    ],
+)
+def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
+    random_versions, random_server, caplog, agent, needle, counter
+):
+    tokenizer = AutoTokenizer.from_pretrained(random_versions[0])
+
+    async def body():
+        served = Served(random_server)
+        try:
+            c = make_controller(
+                agent,
+                [served.client],
+                tokenizer,
+                "rollout.group_size=2",
+                "rollout.max_turns=2",
+                "rollout.episode_timeout_s=3",
+            )
+            capacity = c.gate.capacity()
+            row = c.rows[0]
+            groups = [await run_unit(c) for _ in range(2)]
+            return c, capacity, row, groups
+        finally:
+            await served.close()
+
+    c, capacity, row, groups = asyncio.run(body())
+    assert groups == [None, None]
+    # Nothing kept, the place in the gate free again, the prompt waiting to be generated.
+    assert (c.gate.n_running, c.gate.n_accepted, c.gate.capacity()) == (0, 0, capacity)
+    assert len(c.buffer) == 0 and c.buffer.n_in_flight == 0
+    assert c._retry == [row] and c._rows_in_flight == {}
+    stats = c.episodes.stats()
+    assert stats[f"rollout/episodes_{counter}"] == 2
+    assert needle in caplog.text
+    if counter == "rejected":  # the traceback once, then one line
+        assert caplog.text.count("episode rejected (its prompt") == 1
+        assert "episode rejected again" in caplog.text
