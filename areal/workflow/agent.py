@@ -73,6 +73,8 @@ class AgentWorkflow:
                 sampling=engine.sampling_params,
             )
             await endpoint.start()
+            for name in ("httpx", "httpx2"):  # one INFO line per call otherwise
+                logging.getLogger(name).setLevel(logging.WARNING)
             # No retries: a retried call would be a second recorded call, or hide an error.
             self._client = openai.AsyncOpenAI(
                 base_url=endpoint.base_url,
