@@ -49,3 +49,9 @@ def test_calculator_agent_trains_on_concat_samples(tmp_path):
     assert sum(m["rollout/concat_fallbacks"] for m in metrics) == 0
     assert sum(m["rollout/episodes_rejected"] for m in metrics) == 0
     assert all(m["train/n_tokens"] > 0 for m in metrics)
+
+
+def test_a_wrong_workflow_is_a_clear_error_before_anything_starts(tmp_path):
+    proc = run_train(tmp_path, "rollout.workflow=examples.nope:run", timeout=60)
+    assert proc.returncode == 2
+    assert "rollout.workflow='examples.nope:run': cannot import 'examples.nope'" in proc.stderr
