@@ -137,10 +137,30 @@ class RolloutConfig(_Section):
     """Prompt groups in flight at most."""
     interruptible: bool = True
     """A weight update aborts in-flight generations and resumes them under the new weights; false waits for them."""  # noqa: E501
+    workflow: str = "areal.workflow.single_turn:SingleTurnWorkflow"
+    """The episode, as "package.module:object": an object with arun_episode(engine, data), or an agent's async run(data, client) (areal/workflow/)."""  # noqa: E501
+    sample_mode: str = "individual"
+    """Agents' training samples: individual (one per LLM call) or concat (one per episode, where its calls append to each other)."""  # noqa: E501
+    max_turns: int = 8
+    """LLM calls one agent episode may make; one more rejects the episode."""
+    turn_discount: float = 1.0
+    """Agents' per-call rewards: return R_i = r_i + turn_discount * R_(i+1), in [0, 1]."""
+    episode_timeout_s: float = 3600.0
+    """Seconds one admitted group of episodes may take before it is rejected (its prompt comes back)."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
         self._positive("n_servers", "group_size", "max_new_tokens", "max_concurrent")
+        self._positive("max_turns", "episode_timeout_s")
+        self._one_of("sample_mode", ("individual", "concat"))
+        if not 0 <= self.turn_discount <= 1:
+            self._fail("turn_discount", f"must be in [0, 1], got {self.turn_discount!r}")
+        if not re.fullmatch(r"[\w.]+:[\w.]+", self.workflow):
+            self._fail(
+                "workflow",
+                f'must be "package.module:object", got {self.workflow!r} (e.g. '
+                '"areal.workflow.single_turn:SingleTurnWorkflow")',
+            )
         if not self.temperature > 0:
             # Greedy decoding gives no exploration and degenerate behaviour log-probs.
             self._fail("temperature", f"must be > 0, got {self.temperature!r} (1.0 is the paper's)")

@@ -30,6 +30,12 @@ def prepare_experiment(cfg):
         cfg.dataset.path = str(Path(cfg.dataset.path).resolve())
         n = len(load_file_rows(cfg.dataset.type, cfg.dataset.path))
         print(f"areal: {n} {cfg.dataset.type} problems in {cfg.dataset.path}")
+    from areal.workflow import resolve
+
+    try:  # a misspelt workflow is a user mistake: say so now, not in the controller's log
+        resolve(cfg.rollout.workflow)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     exp = cfg.exp_dir
     exp.mkdir(parents=True, exist_ok=True)
     ckpt = latest(exp) if cfg.resume else None

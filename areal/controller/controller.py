@@ -1,8 +1,9 @@
 """The rollout controller: dataset -> generate -> reward -> buffer -> trainer.
 
-    dataset --prompt--> [staleness gate] --generate(group)--> rollout worker k
-                                                                 | G trajectories
-    trainer <--get_batch(i)-- [replay buffer] <--rewards-- reward service
+    dataset --row--> [staleness gate] --workflow.arun_episode(engine, row)--+
+                                          engine.generate --> rollout worker k
+                                          engine.grade    --> reward service  |
+    trainer <--get_batch(i)-- [replay buffer] <--- the row's trajectories ----+
     trainer --weights_ready(i+1)--> update every worker --> gate.on_version(i+1)
     (router.py picks the worker of a group: the least loaded alive; a dead server's samples
      come back unfinished and resume on another, until its worker answers wait_ready)
@@ -10,10 +11,15 @@
 | loop            | waits for                                   | unblocked by                 |
 |-----------------|---------------------------------------------|------------------------------|
 | admit           | gate capacity (staleness bound, in-flight)  | a finished group, a version  |
-| one group       | its worker, then the reward service         | their replies                |
+| one group       | its episode (workflow): workers, grader     | their replies, or its timeout|
 | get_batch(i)    | a batch the buffer may hand out at i        | a finished group             |
 | weight update   | every worker to load version i              | their replies                |
 | dead server     | its worker's wait_ready (restart + reload)  | the launcher restarting it   |
+
+The episode is pluggable (rollout.workflow, areal/workflow/): the default samples G
+single-turn responses and grades them; an agent's episodes call the model through an
+OpenAI-compatible endpoint. One admitted row is one unit of the gate, however many calls
+its episodes make. A rejected or timed-out unit frees its place and its row comes back.
 
 Everything runs on one asyncio loop, so the gate and the buffer need no lock: their
 state changes only between awaits, and `changed` wakes whoever waits on them.
@@ -22,6 +28,7 @@ state changes only between awaits, and `changed` wakes whoever waits on them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import signal
@@ -38,15 +45,24 @@ from areal.controller.router import Router
 from areal.controller.staleness import StalenessGate
 from areal.trajectory import Trajectory
 from areal.weights import retire_older_than
+from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, Workflow, load_workflow
 
 log = logging.getLogger("areal.controller")
 
 
 class Controller:
     def __init__(
-        self, cfg, rows: list[dict], tokenizer, workers: list[RpcClient], reward: RpcClient
+        self,
+        cfg,
+        rows: list[dict],
+        tokenizer,
+        workers: list[RpcClient],
+        reward: RpcClient,
+        workflow: Workflow | None = None,
     ):
         self.cfg = cfg
+        self.workflow = workflow or load_workflow(cfg.rollout.workflow, cfg.rollout)
+        self.episodes = EpisodeRunner(self.workflow, cfg.rollout.episode_timeout_s)
         self.rows = rows
         self.tokenizer = tokenizer
         self.workers = workers
@@ -110,35 +126,53 @@ class Controller:
             task.add_done_callback(tasks.discard)
 
     async def _rollout_group(self, index: int, row: dict, start_version: int) -> None:
+        engine = RolloutEngine(
+            tokenizer=self.tokenizer,
+            group_size=self.cfg.rollout.group_size,
+            sampling_params=self.sampling,
+            group_id=index,
+            start_version=start_version,
+            generate_fn=functools.partial(self._generate, index, start_version),
+            grade_fn=self._grade,
+        )
         try:
-            trajs = await self._generate_group(index, row, start_version)
-            texts = [self.tokenizer.decode(t.output_ids, skip_special_tokens=True) for t in trajs]
-            rewards = await self.reward.call(
-                "grade", task=row["task"], responses=texts, answer=row["answer"]
-            )
+            trajs = await self.episodes.run(engine, row)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("group %d failed (%s); its prompt will be generated again", index, e)
+            if not isinstance(e, EpisodeError):  # EpisodeRunner logged the others already
+                log.warning("group %d failed (%s); its prompt will be generated again", index, e)
             async with self.changed:
                 self.gate.on_rollout_rejected()
                 self.buffer.discard(index)
                 self._retry.append(self._rows_in_flight.pop(index))
                 self.changed.notify_all()
             return
-        for t, r in zip(trajs, rewards, strict=True):
-            t.reward = r
+        if trajs is None:  # declined by the workflow: the row is used up
+            async with self.changed:
+                self.gate.on_rollout_rejected()
+                self.buffer.discard(index)
+                self._rows_in_flight.pop(index)
+                self.changed.notify_all()
+            return
+        for t in trajs:  # the buffer's group, whatever the workflow wrote
+            t.group_id, t.start_version = index, start_version
         async with self.changed:
             # In one step with the buffer, so a checkpoint sees the group in exactly one place.
             self._rows_in_flight.pop(index)
-            self._tokens_generated += sum(len(t.output_ids) for t in trajs)
+            self._tokens_generated += sum(t.n_generated for t in trajs)
             self.gate.on_rollout_accepted()
             self.buffer.put(index, trajs)
             self.changed.notify_all()
 
-    async def _generate_group(self, index: int, row: dict, start_version: int) -> list[Trajectory]:
-        """The group's G trajectories; samples a dead server left unfinished are resumed,
-        with their partial output, on another server."""
+    async def _grade(self, task: str, responses: list[str], answer) -> list[float]:
+        return await self.reward.call("grade", task=task, responses=responses, answer=answer)
+
+    async def _generate(
+        self, index: int, start_version: int, prompt_ids: list[int], n: int, sampling: dict
+    ) -> list[Trajectory]:
+        """n finished trajectories continuing prompt_ids, on one server; samples a dead
+        server left unfinished are resumed, with their partial output, on another."""
         done: list[Trajectory] = []
         partial: list[dict] | None = None  # None: nothing generated yet
         k = None
@@ -151,9 +185,9 @@ class Controller:
                 wire = await self.workers[k].call(
                     "generate",
                     group_id=index,
-                    prompt_ids=row["prompt_ids"],
-                    n=self.cfg.rollout.group_size,
-                    sampling_params=self.sampling,
+                    prompt_ids=prompt_ids,
+                    n=n,
+                    sampling_params=sampling,
                     start_version=start_version,
                     partial=partial,
                 )
@@ -224,6 +258,8 @@ class Controller:
             "rollout/resubmitted": resubmitted,
             "reward/timeouts": reward_stats["timeouts"],
             "reward/errors": reward_stats["errors"],
+            **self.episodes.stats(),
+            **(self.workflow.stats() if hasattr(self.workflow, "stats") else {}),
         }
 
     def state_dict(self) -> dict:
@@ -325,3 +361,5 @@ async def run_controller(
         await asyncio.gather(serve, admit, stopped, return_exceptions=True)
         for c in [*workers, reward]:
             c.close()
+        if hasattr(controller.workflow, "aclose"):  # an agent's endpoint
+            await controller.workflow.aclose()

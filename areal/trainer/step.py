@@ -36,11 +36,16 @@ def _token_tensors(trajs: Sequence[Trajectory], advantages: torch.Tensor):
         n_prompt, n_out = len(traj.prompt_ids), len(traj.output_ids)
         length = n_prompt + n_out - 1
         mask = torch.zeros(length)
-        mask[n_prompt - 1 :] = 1.0
+        mask[n_prompt - 1 :] = (
+            torch.tensor(traj.loss_mask, dtype=torch.float32) if traj.loss_mask else 1.0
+        )
         behav = torch.zeros(length)
         behav[n_prompt - 1 :] = torch.tensor(traj.logprobs, dtype=torch.float32)
         version = torch.full((length,), -1, dtype=torch.long)
         version[n_prompt - 1 :] = torch.tensor(traj.versions, dtype=torch.long)
+        # Tokens the model did not generate (tool results in a concat sample) are no one's:
+        # out of the loss, and out of the fresh-token check.
+        version[mask == 0] = -1
         out.append(
             {
                 "mask": mask,
@@ -222,5 +227,5 @@ def train_step(
         stats[k] /= n_tok
     stats["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
     stats["reward/mean"] = rewards.mean().item()
-    stats["train/n_tokens"] = float(sum(len(t.output_ids) for t in trajs))
+    stats["train/n_tokens"] = float(sum(t.n_generated for t in trajs))
     return stats

@@ -22,7 +22,7 @@ from tests.system.conftest import SHARED_MODELS_ENV
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def train_cmd(tmp_path: Path, *overrides: str) -> list[str]:
+def train_cmd(tmp_path: Path, *overrides: str, config: Path | None = None) -> list[str]:
     shared = os.environ.get(SHARED_MODELS_ENV)
     if shared and not (tmp_path / "models").exists():  # the tiny models, made once a session
         tmp_path.mkdir(parents=True, exist_ok=True)
@@ -32,15 +32,21 @@ def train_cmd(tmp_path: Path, *overrides: str) -> list[str]:
         "-m",
         "areal.train",
         "--config",
-        str(ROOT / "configs/tiny.yaml"),
+        str(config or ROOT / "configs/tiny.yaml"),
         f"fileroot={tmp_path}",
         *overrides,
     ]
 
 
-def run_train(tmp_path: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_train(
+    tmp_path: Path, *overrides: str, timeout: float = 300, config: Path | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        train_cmd(tmp_path, *overrides), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        train_cmd(tmp_path, *overrides, config=config),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
 
 

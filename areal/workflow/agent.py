@@ -1,0 +1,162 @@
+"""Agents: `async run(data, client) -> float | dict[str, float]` as a workflow.
+
+    admitted row --> G sessions of the endpoint --> G concurrent run(row, client_g)
+        each call of run() --> OpenAIEndpoint --> engine.generate (recorded, token exact)
+    rewards returned --> per-call rewards --> returns (rollout.turn_discount)
+        --> samples (rollout.sample_mode: individual, or concat with a fallback)
+
+`client` is an `openai.AsyncOpenAI` whose API key is the episode's session token: the agent
+imports nothing of ours. An episode that raises, returns garbage or makes more than
+rollout.max_turns calls fails its whole group (one unit of the staleness gate): the
+controller rejects it and generates its row again. Counted per step: episodes that fell
+back from concat (`rollout/concat_fallbacks`), their returns and calls
+(`episode/return_mean`: undiscounted sum of the rewards, `episode/calls_mean`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from areal.trajectory import Trajectory
+from areal.workflow.api import EpisodeError, RolloutEngine
+from areal.workflow.openai_endpoint import OpenAIEndpoint, Session
+from areal.workflow.samples import (
+    Call,
+    call_rewards,
+    concat_sample,
+    discounted_returns,
+    individual_samples,
+)
+
+log = logging.getLogger("areal.workflow")
+
+
+class AgentWorkflow:
+    def __init__(self, run, rollout_cfg=None):
+        if rollout_cfg is None:
+            from areal.config import RolloutConfig
+
+            rollout_cfg = RolloutConfig()
+        self.run = run
+        self.cfg = rollout_cfg
+        self.endpoint: OpenAIEndpoint | None = None
+        self._client = None
+        self._start_lock = asyncio.Lock()
+        self._warned_fallback = False
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self._n_episodes = 0
+        self._sum_return = 0.0
+        self._sum_calls = 0
+        self._fallbacks = 0
+
+    async def _ready(self, engine: RolloutEngine) -> None:
+        """The endpoint and a base client, made on the first episode (in the running loop)."""
+        async with self._start_lock:
+            if self.endpoint is not None:
+                return
+            try:
+                import openai
+            except ImportError as e:
+                raise RuntimeError(
+                    "an agent workflow hands its agent an openai.AsyncOpenAI client: "
+                    "pip install openai"
+                ) from e
+            model = Path(str(getattr(engine.tokenizer, "name_or_path", "") or "model")).name
+            endpoint = OpenAIEndpoint(
+                engine.tokenizer,
+                model=model,
+                default_max_tokens=self.cfg.max_new_tokens,
+                sampling=engine.sampling_params,
+            )
+            await endpoint.start()
+            for name in ("httpx", "httpx2"):  # one INFO line per call otherwise
+                logging.getLogger(name).setLevel(logging.WARNING)
+            # No retries: a retried call would be a second recorded call, or hide an error.
+            self._client = openai.AsyncOpenAI(
+                base_url=endpoint.base_url,
+                api_key="-",
+                max_retries=0,
+                timeout=self.cfg.episode_timeout_s,
+            )
+            self.endpoint = endpoint
+
+    async def arun_episode(self, engine: RolloutEngine, data: dict) -> list[Trajectory]:
+        await self._ready(engine)
+        assert self.endpoint is not None
+        sessions = [
+            self.endpoint.open_session(engine, self.cfg.max_turns) for _ in range(engine.group_size)
+        ]
+        tasks = [asyncio.ensure_future(self._episode(s, data)) for s in sessions]
+        try:
+            episodes = await asyncio.gather(*tasks)
+        finally:  # one failed episode fails the group: stop the others, record nothing more
+            for t in tasks:
+                t.cancel()
+            for s in sessions:
+                self.endpoint.close_session(s)
+        if not any(calls for calls, _ in episodes):
+            raise EpisodeError("the agent made no call through the client it was given")
+        samples: list[Trajectory] = []
+        for calls, rewards in episodes:
+            if not calls:
+                continue
+            returns = discounted_returns(rewards, self.cfg.turn_discount)
+            samples += self._samples(calls, returns)
+            self._n_episodes += 1
+            self._sum_return += sum(rewards)
+            self._sum_calls += len(calls)
+        return samples
+
+    async def _episode(self, session: Session, data: dict) -> tuple[list[Call], list[float]]:
+        """One run of the agent: its calls (in order) and each call's own reward."""
+        client = self._client.with_options(api_key=session.token)
+        try:
+            result = await self.run(dict(data), client)
+        except Exception as e:
+            if session.overrun:
+                raise EpisodeError(session.overrun) from e
+            raise
+        if session.overrun:  # the agent caught the refusal: still an overrun episode
+            raise EpisodeError(session.overrun)
+        calls = list(session.calls)
+        try:
+            return calls, call_rewards(result, calls)
+        except ValueError as e:
+            raise EpisodeError(str(e)) from e
+
+    def _samples(self, calls: list[Call], returns: list[float]) -> list[Trajectory]:
+        if self.cfg.sample_mode == "concat":
+            one = concat_sample(calls, returns)
+            if one is not None:
+                return [one]
+            self._fallbacks += 1
+            if not self._warned_fallback:
+                self._warned_fallback = True
+                log.warning(
+                    "rollout.sample_mode=concat: a call's input does not start with the "
+                    "previous call's input + output tokens (the chat template is not "
+                    "append-only, or the agent changed the history); such episodes are "
+                    "trained as individual calls (rollout/concat_fallbacks counts them)"
+                )
+        return individual_samples(calls, returns)
+
+    def stats(self) -> dict[str, float]:
+        n = max(self._n_episodes, 1)
+        out = {
+            "rollout/concat_fallbacks": float(self._fallbacks),
+            "episode/return_mean": self._sum_return / n,
+            "episode/calls_mean": self._sum_calls / n,
+            "episode/count": float(self._n_episodes),
+        }
+        self._reset_counts()
+        return out
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+        if self.endpoint is not None:
+            await self.endpoint.close()

@@ -1,0 +1,170 @@
+"""The workflow API: what one admitted unit of rollout does, token in, token out.
+
+    controller --admit(row)--> run_episode(workflow, engine, row) --> list[Trajectory]
+                                   | engine.generate(ids, n) --> router --> rollout worker k
+                                   | engine.grade(...)        --> reward service
+                                   '--> None (declined) | EpisodeError (rejected, retried)
+
+A workflow is an object with `async arun_episode(engine, data) -> list[Trajectory] | None`.
+`engine.generate` goes through the same interruptible, failover-safe path as the default
+single-turn episode: each returned token carries its behaviour log-prob and version.
+
+Outcomes, as the controller treats them (the gate counts one admitted row as one unit):
+- trajectories: checked here (lengths line up, rewards finite), then buffered;
+- None: the workflow declined the row (a filter): its place in the gate is freed and the
+  row is consumed, counted in `rollout/episodes_declined`;
+- an exception, or running past `rollout.episode_timeout_s`: the row is rejected, its
+  place in the gate freed and the row generated again later; counted in
+  `rollout/episodes_rejected` / `rollout/episodes_timeout`, the traceback logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from areal.trajectory import Trajectory
+
+log = logging.getLogger("areal.workflow")
+
+GenerateFn = Callable[[list[int], int, dict], Awaitable[list[Trajectory]]]
+GradeFn = Callable[[str, list[str], Any], Awaitable[list[float]]]
+
+
+class EpisodeError(Exception):
+    """An episode failed: it is rejected and its row generated again."""
+
+
+class EpisodeTimeout(EpisodeError):
+    """An episode ran past rollout.episode_timeout_s."""
+
+
+@dataclass(kw_only=True)
+class RolloutEngine:
+    """What an episode may use: generation through the run's servers, and its grader.
+
+    One engine per admitted row: every trajectory it returns belongs to `group_id` and was
+    admitted under `start_version`.
+    """
+
+    tokenizer: Any
+    group_size: int
+    """G: samples (single-turn) or episodes (agents) per row."""
+    sampling_params: dict
+    """The run's sampling parameters (rollout.*): the trainer's log-probs assume them."""
+    group_id: int
+    start_version: int
+    generate_fn: GenerateFn
+    grade_fn: GradeFn | None = None
+
+    async def generate(
+        self, input_ids: list[int], n: int = 1, max_new_tokens: int | None = None
+    ) -> list[Trajectory]:
+        """n samples continuing `input_ids` (the exact tokens the server sees), finished.
+
+        Temperature, top-p and top-k are the run's: the trainer computes log-probs under
+        them, so an episode may choose only the length.
+        """
+        params = dict(self.sampling_params)
+        if max_new_tokens is not None:
+            params["max_new_tokens"] = int(max_new_tokens)
+        return await self.generate_fn(list(input_ids), n, params)
+
+    async def grade(self, task: str, responses: list[str], answer: Any) -> list[float]:
+        """Rewards of responses from the reward service (math, code, arith graders)."""
+        if self.grade_fn is None:
+            raise RuntimeError("this engine has no reward service")
+        return await self.grade_fn(task, responses, answer)
+
+
+class Workflow(Protocol):
+    async def arun_episode(self, engine: RolloutEngine, data: dict) -> list[Trajectory] | None:
+        """The trajectories of one admitted row, or None to decline it."""
+        ...
+
+
+def check_trajectories(trajs: Any) -> list[Trajectory]:
+    """The workflow's result, or EpisodeError saying what is wrong with it."""
+    if not isinstance(trajs, list) or not trajs:
+        raise EpisodeError(
+            f"arun_episode must return a non-empty list of Trajectory or None, got {trajs!r:.200}"
+        )
+    for i, t in enumerate(trajs):
+        if not isinstance(t, Trajectory):
+            raise EpisodeError(f"trajectory {i} is a {type(t).__name__}, not a Trajectory")
+        n = len(t.output_ids)
+        problem = None
+        if not t.prompt_ids or not n:
+            problem = "has an empty prompt or output"
+        elif len(t.logprobs) != n or len(t.versions) != n:
+            problem = (
+                f"has {n} output tokens but {len(t.logprobs)} log-probs, {len(t.versions)} versions"  # noqa: E501
+            )
+        elif t.loss_mask and (len(t.loss_mask) != n or not any(t.loss_mask)):
+            problem = "has a loss_mask that is not one 0/1 per output token with some 1"
+        elif not isinstance(t.reward, int | float) or not math.isfinite(t.reward):
+            problem = f"has reward {t.reward!r}; rewards must be finite numbers"
+        if problem:
+            raise EpisodeError(f"trajectory {i} {problem}")
+    return trajs
+
+
+class EpisodeRunner:
+    """Runs one unit under the time limit, checks its result, counts and logs failures."""
+
+    def __init__(self, workflow: Workflow, timeout_s: float):
+        self.workflow = workflow
+        self.timeout_s = timeout_s
+        self.counts = {"rejected": 0, "timeout": 0, "declined": 0}
+        self._logged: set[str] = set()
+
+    async def run(self, engine: RolloutEngine, data: dict) -> list[Trajectory] | None:
+        """Trajectories, None (declined) or EpisodeError (rejected; its row comes back)."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            result = await asyncio.wait_for(
+                self.workflow.arun_episode(engine, data), self.timeout_s
+            )
+            if result is None:
+                self.counts["declined"] += 1
+                return None
+            return check_trajectories(result)
+        except asyncio.CancelledError:
+            raise
+        except asyncio.TimeoutError as e:
+            if time.monotonic() < deadline:  # the episode's own timeout, not ours
+                self.counts["rejected"] += 1
+                self._log_once(e)
+                raise EpisodeError(f"{type(e).__name__}: {e}") from e
+            self.counts["timeout"] += 1
+            log.warning("episode ran past rollout.episode_timeout_s=%g; its prompt will be "
+                        "generated again", self.timeout_s)  # fmt: skip
+            raise EpisodeTimeout(
+                f"the episode ran past rollout.episode_timeout_s={self.timeout_s:g}"
+            ) from e
+        except Exception as e:
+            self.counts["rejected"] += 1
+            self._log_once(e)
+            if isinstance(e, EpisodeError):
+                raise
+            raise EpisodeError(f"{type(e).__name__}: {e}") from e
+
+    def _log_once(self, e: Exception) -> None:
+        """The whole traceback the first time a failure is seen here, one line after."""
+        tb = traceback.format_exception(e)
+        where = "".join(tb[-3:])  # the raising frame and the message
+        if where in self._logged:
+            log.warning("episode rejected again: %s: %s", type(e).__name__, e)
+            return
+        self._logged.add(where)
+        log.warning("episode rejected (its prompt will be generated again):\n%s", "".join(tb))
+
+    def stats(self) -> dict[str, float]:
+        counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return {f"rollout/episodes_{k}": float(v) for k, v in counts.items()}

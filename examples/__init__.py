@@ -1,0 +1,1 @@
+"""Agent workflows to train with `rollout.workflow=examples.<module>:run` (see README)."""

@@ -1,0 +1,369 @@
+"""Agents through the real `openai` client: every training sample is token-exact.
+
+A real embedded server (subprocess), the real rollout worker behind a real RPC socket, the
+real controller path (gate, workflow, buffer) and the OpenAI-compatible endpoint. An agent
+holds a multi-turn conversation through `openai.AsyncOpenAI`; the samples the controller
+buffers are checked against what the agent sent (the chat template applied by us, here),
+against the text it got back, and against transformers' log-probs of each token under the
+weights of the version it is tagged with, which a wrong token or a wrong version fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal.comm.rpc import RpcClient, RpcServer
+from areal.config import load_config
+from areal.controller.controller import Controller
+from areal.models.tiny import make_tiny_model
+from areal.rollout.client import SGLangClient
+from areal.rollout.worker import RolloutWorker
+from areal.trainer.step import _token_tensors
+from areal.workflow.agent import AgentWorkflow
+from tests.system.conftest import SHARED_MODELS_ENV, copy_weights, embedded_server, ref_logprobs
+
+pytest.importorskip("openai")
+
+KEY = b"k" * 32
+FEEDBACK = "wrong, try again"
+
+
+@pytest.fixture(scope="module")
+def random_versions(tmp_path_factory) -> list[Path]:
+    """An untrained model (v0) and a visibly different policy (v1)."""
+    root = tmp_path_factory.mktemp("weights")
+    v0 = make_tiny_model(root / "v0", warmup_steps=0)
+
+    def edit(tensors):
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] * 3.0
+
+    return [v0, copy_weights(v0, root / "v1", edit)]
+
+
+@pytest.fixture(scope="module")
+def warm_model() -> Path:
+    """The tiny run's model (answers in digits, then ends its turn), shared with the runs."""
+    shared = Path(os.environ[SHARED_MODELS_ENV])
+    return make_tiny_model(shared / "tiny-h64-l2-w200-m5-s1", seed=1, max_operand=5)
+
+
+def make_controller(agent, workers, tokenizer, *overrides: str) -> Controller:
+    cfg = load_config(None, ["rollout.group_size=1", "rollout.max_turns=4", *overrides])
+    rows = [{"prompt": "3+4=", "answer": "7", "task": "arith", "prompt_ids": [1]}]
+    return Controller(
+        cfg, rows, tokenizer, workers, reward=None, workflow=AgentWorkflow(agent, cfg.rollout)
+    )
+
+
+async def run_unit(c: Controller) -> list:
+    """One admitted row through the controller's own path; its buffered group or None."""
+    async with c.changed:
+        start = c.gate.on_rollout_submitted()
+        index = c.buffer.reserve(start)
+        row = c._rows_in_flight[index] = c._next_row()
+    await c._rollout_group(index, row, start)
+    slot = c.buffer._slots.get(index)
+    return slot.group if slot else None
+
+
+class Served:
+    """A RolloutWorker behind a real RPC server, as the controller reaches it."""
+
+    def __init__(self, url: str):
+        self.worker = RolloutWorker(url)
+        self.server = RpcServer(KEY, host="127.0.0.1")
+        for name in ("generate", "update_weights", "stats", "wait_ready"):
+            self.server.register(name, getattr(self.worker, name))
+        self.task = asyncio.create_task(self.server.serve())
+        self.client = RpcClient(self.server.address, KEY)
+
+    async def close(self) -> None:
+        self.client.close()
+        self.server.close()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.worker.client.close()
+
+
+def conversation_agent(max_tokens: list[int], sent: list[list[dict]], seen: list[str]):
+    """Answers, hears "wrong, try again", answers again; rewards every call by its id."""
+
+    async def run(data, client) -> dict[str, float]:
+        messages = [{"role": "user", "content": data["prompt"]}]
+        rewards = {}
+        for turn, n in enumerate(max_tokens):
+            sent.append([dict(m) for m in messages])
+            reply = await client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=n
+            )
+            text = reply.choices[0].message.content
+            seen.append((text, reply.usage.completion_tokens))
+            rewards[reply.id] = float(turn)
+            messages += [
+                {"role": "assistant", "content": text},
+                {"role": "user", "content": FEEDBACK},
+            ]
+        return rewards
+
+    return run
+
+
+async def generated(url: str) -> int:
+    client = SGLangClient(url)
+    try:
+        return (await client.server_info())["total_generated_tokens"]
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def random_server(random_versions, tmp_path_factory):
+    with embedded_server(random_versions[0], tmp_path_factory.mktemp("logs") / "server.log") as url:
+        yield url
+
+
+def test_individual_samples_are_token_exact_across_a_weight_update(random_versions, random_server):
+    tokenizer = AutoTokenizer.from_pretrained(random_versions[0])
+    sent: list[list[dict]] = []
+    seen: list[tuple[str, int]] = []
+    max_tokens = [4, 40, 4]
+
+    async def body(url: str):
+        served = Served(url)
+        try:
+            c = make_controller(
+                conversation_agent(max_tokens, sent, seen),
+                [served.client],
+                tokenizer,
+                "rollout.turn_discount=0.5",
+            )
+            # Every call runs to its max_tokens, so the update surely lands inside call 2.
+            c.sampling["ignore_eos"] = True
+            start = await generated(url)
+            unit = asyncio.create_task(run_unit(c))
+            deadline = asyncio.get_running_loop().time() + 60
+            while await generated(url) < start + max_tokens[0] + 10:
+                assert asyncio.get_running_loop().time() < deadline, "no progress"
+                assert not unit.done(), unit
+                await asyncio.sleep(0.01)
+            reply = await served.client.call(
+                "update_weights", version=1, path=str(random_versions[1])
+            )
+            assert reply["loaded"]
+            group = await asyncio.wait_for(unit, 60)
+            return group, c
+        finally:
+            await served.close()
+
+    group, c = asyncio.run(body(random_server))
+
+    assert group is not None and len(group) == 3  # one sample per call
+    models = [
+        AutoModelForCausalLM.from_pretrained(v, dtype=torch.float32).eval() for v in random_versions
+    ]
+    for i, (t, messages, (text, _)) in enumerate(zip(group, sent, seen, strict=True)):
+        # Exactly the tokens the engine received: the conversation the agent sent, templated.
+        expected_prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert t.prompt_ids == list(expected_prompt)
+        assert len(t.output_ids) == len(t.logprobs) == len(t.versions) == max_tokens[i]
+        assert tokenizer.decode(t.output_ids, skip_special_tokens=True) == text
+        # Each token's log-prob is what its own version's weights give it, token for token.
+        by_version = torch.stack([ref_logprobs(m, t.prompt_ids, t.output_ids, 1.0) for m in models])
+        tags = torch.tensor(t.versions)
+        expected = by_version[tags, torch.arange(len(t.output_ids))]
+        assert torch.allclose(torch.tensor(t.logprobs), expected, atol=1e-4, rtol=0)
+        # The loss covers exactly the call's output tokens.
+        mask = _token_tensors([t], torch.zeros(1))[0]["mask"]
+        assert mask.tolist() == [0.0] * (len(t.prompt_ids) - 1) + [1.0] * len(t.output_ids)
+    # Call 1 under v0, call 2 cut by the update (both versions, in order), call 3 under v1.
+    assert set(group[0].versions) == {0} and set(group[2].versions) == {1}
+    assert group[1].versions == sorted(group[1].versions) and set(group[1].versions) == {0, 1}
+    assert group[1].n_interrupts == 1
+    # Per-call rewards 0, 1, 2 discounted once with gamma 0.5: 0 + .5 * (1 + .5 * 2) = 1.
+    assert [t.reward for t in group] == [1.0, 2.0, 2.0]
+    assert {t.group_id for t in group} == {0} and c.gate.n_accepted == 1
+    stats = c.workflow.stats()
+    assert stats["episode/calls_mean"] == 3 and stats["episode/return_mean"] == 3.0
+
+
+NOT_APPEND_ONLY = (
+    # Numbers every user turn by the conversation's length: earlier turns render differently
+    # once the conversation grows (like templates that drop earlier reasoning).
+    "{% for message in messages %}<|im_start|>{{ message['role'] }} {{ messages|length }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["append_only", "not_append_only"])
+def test_concat_one_sequence_or_fallback(warm_model, tmp_path, template):
+    tokenizer = AutoTokenizer.from_pretrained(warm_model)
+    if template == "not_append_only":
+        tokenizer.chat_template = NOT_APPEND_ONLY
+    sent: list[list[dict]] = []
+    seen: list[tuple[str, int]] = []
+    max_tokens = [3, 3, 3]
+
+    async def body(url: str):
+        served = Served(url)
+        try:
+            c = make_controller(
+                conversation_agent(max_tokens, sent, seen),
+                [served.client],
+                tokenizer,
+                "rollout.sample_mode=concat",
+            )
+            return await asyncio.wait_for(run_unit(c), 60), c.workflow.stats()
+        finally:
+            await served.close()
+
+    with embedded_server(warm_model, tmp_path / "server.log") as url:
+        group, stats = asyncio.run(body(url))
+
+    calls = [
+        tokenizer.apply_chat_template(
+            m, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for m in sent
+    ]
+    if template == "not_append_only":
+        assert stats["rollout/concat_fallbacks"] == 1
+        assert [t.prompt_ids for t in group] == calls  # individual samples, exact as ever
+        assert all(not t.loss_mask for t in group)
+        return
+    assert stats["rollout/concat_fallbacks"] == 0
+    (t,) = group
+    seq = t.prompt_ids + t.output_ids
+    assert len(t.loss_mask) == len(t.output_ids) == len(t.logprobs) == len(t.versions)
+    mask = [0] * len(t.prompt_ids) + t.loss_mask
+    # Each run of 1s is one call's output, as long as the server reported it; what precedes
+    # it is exactly that call's input (the conversation the agent sent, templated), so every
+    # 0 between runs is a template or feedback token, never the model's.
+    spans = _runs(mask)
+    assert len(spans) == len(calls) == 3
+    for (a, b), c_ids, (text, n_out) in zip(spans, calls, seen, strict=True):
+        assert seq[:a] == c_ids
+        assert b - a == n_out
+        assert tokenizer.decode(seq[a:b], skip_special_tokens=True) == text
+    assert spans[-1][1] == len(seq)
+    model = AutoModelForCausalLM.from_pretrained(warm_model, dtype=torch.float32).eval()
+    ref = ref_logprobs(model, t.prompt_ids, t.output_ids, 1.0)
+    model_tokens = torch.tensor(t.loss_mask, dtype=torch.bool)
+    assert torch.allclose(torch.tensor(t.logprobs)[model_tokens], ref[model_tokens], atol=1e-4)
+    # The trainer: loss only on the model's tokens; environment tokens out of the version check.
+    tensors = _token_tensors([t], torch.zeros(1))[0]
+    assert tensors["mask"].tolist() == [float(m) for m in mask[1:]]
+    assert (tensors["version"][tensors["mask"] == 0] == -1).all()
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+async def _one_call(client):
+    return await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "1+1="}], max_tokens=2
+    )
+
+
+async def _raises(data, client):
+    await _one_call(client)
+    raise ValueError("a bug in the agent")
+
+
+async def _garbage(data, client):
+    await _one_call(client)
+    return "seven"
+
+
+async def _unknown_call(data, client):
+    await _one_call(client)
+    return {"chatcmpl-not-mine": 1.0}
+
+
+async def _not_finite(data, client):
+    await _one_call(client)
+    return float("nan")
+
+
+async def _no_call(data, client):
+    return 1.0
+
+
+async def _overruns(data, client):
+    for _ in range(5):
+        try:
+            await _one_call(client)
+        except Exception:  # the agent swallows the refusal: still an overrun episode
+            pass
+    return 1.0
+
+
+async def _hangs(data, client):
+    await _one_call(client)
+    await asyncio.sleep(60)
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("agent", "needle", "counter"),
+    [
+        (_raises, "a bug in the agent", "rejected"),
+        (_garbage, "return a float", "rejected"),
+        (_unknown_call, "no call of its episode", "rejected"),
+        (_not_finite, "finite", "rejected"),
+        (_no_call, "made no call", "rejected"),
+        (_overruns, "max_turns=2", "rejected"),
+        (_hangs, "episode_timeout_s", "timeout"),
+    ],
+)
+def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
+    random_versions, random_server, caplog, agent, needle, counter
+):
+    tokenizer = AutoTokenizer.from_pretrained(random_versions[0])
+
+    async def body():
+        served = Served(random_server)
+        try:
+            c = make_controller(
+                agent,
+                [served.client],
+                tokenizer,
+                "rollout.group_size=2",
+                "rollout.max_turns=2",
+                "rollout.episode_timeout_s=3",
+            )
+            capacity = c.gate.capacity()
+            row = c.rows[0]
+            groups = [await run_unit(c) for _ in range(2)]
+            return c, capacity, row, groups
+        finally:
+            await served.close()
+
+    c, capacity, row, groups = asyncio.run(body())
+    assert groups == [None, None]
+    # Nothing kept, the place in the gate free again, the prompt waiting to be generated.
+    assert (c.gate.n_running, c.gate.n_accepted, c.gate.capacity()) == (0, 0, capacity)
+    assert len(c.buffer) == 0 and c.buffer.n_in_flight == 0
+    assert c._retry == [row] and c._rows_in_flight == {}
+    stats = c.episodes.stats()
+    assert stats[f"rollout/episodes_{counter}"] == 2
+    assert needle in caplog.text
+    if counter == "rejected":  # the traceback once, then one line
+        assert caplog.text.count("episode rejected (its prompt") == 1
+        assert "episode rejected again" in caplog.text
