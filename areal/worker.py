@@ -31,6 +31,7 @@ async def _serve_until_stopped(server: RpcServer) -> None:
 
 
 async def _rollout(cfg, index: int, key: bytes) -> None:
+    from areal.rollout.auth import api_key
     from areal.rollout.launch import server_log_path, wait_for_server
     from areal.rollout.worker import RolloutWorker
 
@@ -48,6 +49,7 @@ async def _rollout(cfg, index: int, key: bytes) -> None:
         recovery_timeout_s=cfg.inference.startup_timeout_s
         + cfg.inference.update_timeout_s * cfg.inference.update_retries,
         on_fatal=lambda e: (fatal.append(e), server.close()),
+        api_key=api_key(cfg.exp_dir),
     )
     # On failure: the server's command line and the tail of logs/server{index}.log.
     await wait_for_server(

@@ -13,6 +13,11 @@ until the model is loaded, which happens after the port is open.
 
     python -m areal.rollout.server --model DIR --port N [--host 127.0.0.1]
         [--max-batch-size 64] [--seed 0] [--num-threads 1] [--weight-version 0]
+        [--api-key KEY] [--weights-root DIR ...]
+
+With an API key (--api-key, or AREAL_API_KEY in the environment) every request but /health
+needs `Authorization: Bearer KEY` (areal/rollout/auth.py); without one the server is open,
+as SGLang is. With --weights-root, /update_weights_from_disk loads only from under those.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -29,6 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
+from areal.rollout.auth import API_KEY_ENV, require_api_key, weights_path_problem
 from areal.rollout.engine import PAUSE_MODES, DecodeEngine, GenerationResult, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -289,6 +296,12 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     model_path = body.get("model_path")
     if not isinstance(model_path, str) or not model_path:
         raise BadRequest("model_path must be a non-empty string")
+    problem = weights_path_problem(model_path, _state(request)["weight_roots"])
+    if problem:
+        logger.warning("refused to load weights: %s", problem)
+        return web.json_response(
+            {"success": False, "message": problem, "num_paused_requests": 0}, status=400
+        )
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str | int):
         raise BadRequest("weight_version must be a string or null")
@@ -379,10 +392,15 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response({"error": {"message": f"internal error: {e}"}}, status=500)
 
 
-def create_app(tokenizer_path: str) -> web.Application:
+def create_app(
+    tokenizer_path: str, api_key: str | None = None, weight_roots: list[str] | None = None
+) -> web.Application:
     """The application; put the engine at app[ENGINE_KEY]["engine"] once it is loaded."""
-    app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
-    app[ENGINE_KEY] = {"engine": None, "tokenizer_path": tokenizer_path}
+    middlewares = [require_api_key(api_key), _errors] if api_key else [_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
+    app[ENGINE_KEY] = {
+        "engine": None, "tokenizer_path": tokenizer_path, "weight_roots": weight_roots or [],
+    }  # fmt: skip
     app.router.add_route("POST", "/generate", generate)
     app.router.add_route("PUT", "/generate", generate)
     app.router.add_post("/pause_generation", pause_generation)
@@ -456,7 +474,7 @@ def _per_request(value: Any, n: int, name: str, kind: type) -> list[Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    app = create_app(args.model)
+    app = create_app(args.model, args.api_key, args.weights_root)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -501,6 +519,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--weight-version", default="0")
+    parser.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV}; none = open)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--weights-root", action="append", default=[],
+        help="load weights only from under this directory (repeatable; none = anywhere)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -57,8 +57,10 @@ class RolloutWorker:
         update_retries: int = 3,
         recovery_timeout_s: float = 900.0,
         on_fatal: Callable[[Exception], None] | None = None,
+        api_key: str | None = None,
     ):
-        self.client = SGLangClient(server_url)
+        self.api_key = api_key
+        self.client = SGLangClient(server_url, api_key=api_key)
         self.interruptible = interruptible
         self.find_server = find_server or (lambda: server_url)
         """The server's current URL (a restarted server may listen on another port)."""
@@ -217,7 +219,7 @@ class RolloutWorker:
                 url = await asyncio.to_thread(self.find_server)
                 if url.rstrip("/") != self.client.base_url:
                     await self.client.close()
-                    self.client = SGLangClient(url)
+                    self.client = SGLangClient(url, api_key=self.api_key)
                 if await self.client.health():
                     async with self._update_lock:
                         # A restarted server starts from the weights the run started from.
