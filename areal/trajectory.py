@@ -15,7 +15,7 @@ import numpy as np
 @dataclass
 class Trajectory:
     group_id: int
-    """Samples of the same prompt share a group id."""
+    """Samples of the same prompt share a group id (unique within a run, resumes included)."""
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -31,6 +31,9 @@ class Trajectory:
     """How many times a weight update interrupted and resumed this generation."""
     t_start: float = 0.0
     t_end: float = 0.0
+    draw_id: int = -1
+    """Which draw from the dataset its prompt is (0, 1, ... over epochs): the same prompt
+    generated again (its group failed, or was in flight at a checkpoint) keeps it."""
 
     def extend(self, ids: list[int], logprobs: list[float], version: int) -> None:
         """Append a generated segment produced by one policy version."""
