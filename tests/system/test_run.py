@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from areal.comm.registry import Registry
-from areal.comm.wire import seal
+from areal.comm.wire import seal, unpack
 from tests.system.conftest import SHARED_MODELS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,6 +240,13 @@ def test_resume_after_a_crash(tmp_path):
     assert [m["version"] for m in metrics] == list(range(1, 11))
     assert all(m["staleness/max"] <= 4 for m in metrics)
     assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == ["v000010"]
+    # No draw from the dataset trained twice, none lost: trained, ready, or to be generated.
+    trained = [d for m in metrics for d in m["batch/draw_ids"]]
+    assert len(trained) == len(set(trained)) == 10 * 16
+    state = unpack((exp_dir / "checkpoints/v000010/controller.msgpack").read_bytes())
+    ready = [g["group"][0]["draw_id"] for g in state["buffer"]["groups"]]
+    retry = [row["draw_id"] for row in state["retry"]]
+    assert sorted(trained + ready + retry) == list(range(state["pos"]))
     # Nothing left to do: a second resume exits at once.
     again = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)
     assert again.returncode == 0 and "already has 10 of 10 steps" in again.stdout

@@ -168,3 +168,36 @@ def test_gpu_plan_gives_each_step_its_own_gpus():
     ]
     assert [(s.node, s.gpu_ids) for s in trainers] == [("n1", (2,)), ("n1", (3,))]
     assert all(not s.gpu_ids for s in plan.steps if s.role not in ("server", "trainer"))
+
+
+def test_check_version_false_starts_an_unsupported_sglang_with_the_api_key(tmp_path):
+    """The server role, as the launcher starts it: with inference.check_version=false it
+    execs an interpreter that imports a wrong SGLang anyway, passing the run's API key."""
+    import subprocess
+
+    from areal.config import save_config
+    from areal.rollout.auth import api_key
+
+    seen = tmp_path / "argv.txt"
+    python = _fake_python(tmp_path, f'echo 0.4.9; echo "$@" > {seen}')
+    cfg = load_config(None, [
+        f"fileroot={tmp_path}", "inference.backend=sglang", f"inference.python={python}",
+        "inference.check_version=false", "model.path=/models/m",
+    ])  # fmt: skip
+    create_key(cfg.exp_dir)
+    save_config(cfg, cfg.exp_dir / "config.yaml")
+    cmd = [sys.executable, "-m", "areal.worker", "--role", "server", "--exp-dir", str(cfg.exp_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = seen.read_text().split()
+    assert args[:2] == ["-m", "sglang.launch_server"]
+    assert args[args.index("--api-key") + 1] == api_key(cfg.exp_dir)
+    assert api_key(cfg.exp_dir) not in proc.stdout  # the log shows *** instead
+    assert (cfg.exp_dir / "registry/server/0").exists()
+    # With the check on, the same interpreter is refused before anything is registered.
+    cfg.inference.check_version = True
+    save_config(cfg, cfg.exp_dir / "config.yaml")
+    (cfg.exp_dir / "registry/server/0").unlink()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 1 and "imports sglang 0.4.9" in proc.stderr
+    assert not (cfg.exp_dir / "registry/server/0").exists()
