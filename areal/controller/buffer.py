@@ -97,6 +97,4 @@ class ReplayBuffer:
             g["index"]: _Slot(g["start_version"], [Trajectory.from_wire(t) for t in g["group"]])
             for g in state["groups"]
         }
-        self._next_index = max(
-            state.get("next_index", 0), max(self._slots, default=-1) + 1
-        )
+        self._next_index = max(state.get("next_index", 0), max(self._slots, default=-1) + 1)

@@ -98,6 +98,10 @@ class Launcher(abc.ABC):
     def exit_reason(self, rc: int) -> str:
         return exit_reason(rc)
 
+    def start_failure(self, p: Proc) -> str | None:
+        """Why step p could never start (a restart would fail the same way), if so."""
+        return None
+
     def start(self, step: Step, restarts: int = 0) -> Proc:
         log = self.log_dir / f"{step.name}.log"
         cmd, env = self.command(step, worker_command(self.exp_dir, step))
@@ -111,8 +115,11 @@ class Launcher(abc.ABC):
                 start_new_session=True,
                 preexec_fn=die_with_parent,
                 env={
-                    **os.environ, "PYTHONUNBUFFERED": "1", RESTARTS_ENV: str(self.recoveries),
-                    **step.env, **env,
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    RESTARTS_ENV: str(self.recoveries),
+                    **step.env,
+                    **env,
                 },  # fmt: skip
             )
         return Proc(step, popen, log, restarts)
@@ -162,6 +169,10 @@ class Launcher(abc.ABC):
                 dead = self._dead_role()
                 if dead is not None:
                     p, rc = dead
+                    if (why := self.start_failure(p)) is not None:
+                        progress.close()
+                        print(f"\nareal: {why}; stopping the run", file=sys.stderr, flush=True)
+                        return 1
                     if resume is None or self.recoveries >= self.cfg.recover.max_restarts:
                         progress.close()
                         self._report(p, rc, "stopping the run")
@@ -201,7 +212,12 @@ class Launcher(abc.ABC):
             rc = p.popen.poll()
             if rc is None or (rc == 0 and p.step.role == "trainer"):
                 continue
-            if p.step.role == "server" and p.restarts < self.cfg.inference.max_restarts:
+            restartable = self.start_failure(p) is None
+            if (
+                p.step.role == "server"
+                and restartable
+                and p.restarts < self.cfg.inference.max_restarts
+            ):
                 self.restart_server(i, rc)
                 continue
             return p, rc

@@ -91,9 +91,7 @@ def server_command(cfg, k: int, host: str, port: int, api_key: str | None = None
 
 def redacted(cmd: list[str]) -> list[str]:
     """cmd with the value after --api-key hidden, for logs."""
-    return [
-        "***" if i > 0 and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)
-    ]
+    return ["***" if i > 0 and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
 
 
 def _flat(args: dict) -> list[str]:

@@ -64,8 +64,9 @@ def test_killed_roles_are_recovered_and_no_draw_is_trained_twice_or_lost(tmp_pat
             # Two steps of this attempt beyond where it resumed, so every role is up.
             resumed = getattr(latest(exp_dir), "version", 0)
             _wait_for(
-                lambda r=resumed: (exp_dir / "metrics.jsonl").exists()
-                and len(read_metrics(exp_dir)) >= r + 2,
+                lambda r=resumed: (
+                    (exp_dir / "metrics.jsonl").exists() and len(read_metrics(exp_dir)) >= r + 2
+                ),
                 180,
                 f"two steps before killing the {role}",
             )

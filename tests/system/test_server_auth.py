@@ -109,4 +109,3 @@ def test_eval_with_server_url_sends_the_key(server, dirs, tmp_path):
     ok = run_eval("--api-key", KEY)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert json.loads((tmp_path / "r.json").read_text())["reward_counts"]["graded"] == 4
-
