@@ -109,6 +109,19 @@ def test_zero_staleness_is_synchronous(tmp_path):
     assert all(m["train/fresh_logprob_diff_max"] < 1e-3 for m in metrics)
 
 
+def test_a_whole_run_without_interruptible_generation(tmp_path):
+    """rollout.interruptible=false: a weight update waits for in-flight generations, so
+    none is interrupted and every sample comes from one version, within the bound."""
+    overrides = ("total_train_steps=6", "rollout.interruptible=false", "trial_name=nonint")
+    proc = run_train(tmp_path, *overrides, "model.tiny_warmup_steps=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "tiny/nonint")
+    assert [m["version"] for m in metrics] == list(range(1, 7))
+    assert all(m["rollout/interrupted"] == 0 for m in metrics)
+    assert all(m["rollout/multi_version_samples"] == 0 for m in metrics)
+    assert all(m["staleness/max"] <= 4 for m in metrics)
+
+
 @contextlib.contextmanager
 def launched(tmp_path: Path, *overrides: str):
     """`python -m areal.train` running in the background; killed if the test fails."""
