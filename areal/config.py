@@ -343,6 +343,8 @@ class TrainerConfig(_Section):
     """Data parallelism of the trainer."""
     save_freq_steps: int = 0
     """Save a checkpoint every this many steps (0: only after the last step)."""
+    save_freq_s: float = 600.0
+    """Save a checkpoint when this many seconds passed since the last one (0: off); what a recovery loses at most."""  # noqa: E501
     save_dtype: str = "bfloat16"
     """dtype of the HF weights the megatron backend publishes (the torch backend keeps model.dtype)."""  # noqa: E501
 
@@ -357,7 +359,7 @@ class TrainerConfig(_Section):
                 "the torch backend is data-parallel only"
             )
         self._positive("batch_size", "lr", "adam_eps", "grad_clip")
-        self._non_negative("weight_decay", "save_freq_steps", "num_threads")
+        self._non_negative("weight_decay", "save_freq_steps", "save_freq_s", "num_threads")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             self._fail(
                 "betas", f"must be two numbers in [0, 1), got {self.betas!r}; e.g. [0.9, 0.95]"
@@ -466,6 +468,18 @@ class StatsConfig(_Section):
 
 
 @dataclass(kw_only=True)
+class RecoverConfig(_Section):
+    _section: ClassVar[str] = "recover"
+
+    max_restarts: int = 3
+    """Times the launcher restarts the whole run from its latest checkpoint when a role other than a server dies; 0 = never."""  # noqa: E501
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._non_negative("max_restarts")
+
+
+@dataclass(kw_only=True)
 class ExperimentConfig(_Section):
     experiment_name: str = "tiny"
     """Experiment name; the directory is {fileroot}/{experiment_name}/{trial_name}."""
@@ -499,6 +513,8 @@ class ExperimentConfig(_Section):
     """Process launcher."""
     stats: StatsConfig = field(default_factory=StatsConfig)
     """Metrics loggers and event recording."""
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+    """Automatic recovery from a dead role."""
 
     def __post_init__(self) -> None:
         self._check_types()

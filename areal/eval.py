@@ -14,11 +14,14 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import secrets
 import sys
 import time
 from pathlib import Path
 
 from areal.config import ConfigError
+from areal.rollout.auth import API_KEY_ENV
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -66,7 +69,7 @@ async def sample_and_grade(args, rows: list[dict], url: str) -> list[list[bool]]
     from areal.rollout.client import SGLangClient
     from areal.rollout.launch import wait_for_server
 
-    client = SGLangClient(url)
+    client = SGLangClient(url, api_key=args.api_key)
     service = RewardService(
         n_workers=args.n_workers,
         timeout_s=args.timeout_s,
@@ -124,6 +127,11 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--max-operand", type=int, default=5, help="arith task only")
     p.add_argument("--server-url", help="a running SGLang or embedded server (default: start one)")
+    p.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None,
+        help=f"the --server-url server's API key (default: ${API_KEY_ENV}); a run's servers take "
+        "the key `python -m areal.rollout.auth EXP_DIR` prints",
+    )  # fmt: skip
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of the started server")
     p.add_argument("--n-workers", type=int, default=2, help="grading processes")
     p.add_argument("--timeout-s", type=float, default=10.0, help="time limit of one grading")
@@ -163,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         args.server_log = output.with_suffix(".server.log")
         from areal.rollout.launch import start_embedded_server
 
+        args.api_key = secrets.token_hex(16)  # our own server answers only us
         args.server_proc, url = start_embedded_server(
             args.model, args.server_log, "--seed", str(args.seed),
-            "--num-threads", str(args.num_threads),
+            "--num-threads", str(args.num_threads), api_key=args.api_key,
         )  # fmt: skip
         print(f"areal.eval: started the embedded server at {url} (log {args.server_log})")
     t0 = time.time()

@@ -6,6 +6,8 @@ import ctypes
 import signal
 
 _PR_SET_PDEATHSIG = 1
+RESTARTS_ENV = "AREAL_RECOVER_RESTARTS"
+"""Set by the launcher for every role: how many recoveries of the run came before."""
 
 
 def die_with_parent() -> None:

@@ -2,7 +2,8 @@
 
 1) load and validate the config (fast: nothing heavy is imported before this)
 2) prepare the experiment directory: key, config snapshot, logs, the model
-3) start every role (locally, or as srun steps inside a SLURM allocation) and wait
+3) start every role (locally, or as srun steps inside a SLURM allocation) and wait;
+   when a role dies, the launcher calls `prepare_recovery` and starts them all again
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def prepare_experiment(cfg):
     # Neither kind of run may find the previous run's addresses, weights or logs.
     for name in ("weights", "logs"):
         shutil.rmtree(exp / name, ignore_errors=True)
+    if not cfg.resume:
+        for old in exp.glob("logs.attempt*"):  # an earlier run's recoveries
+            shutil.rmtree(old, ignore_errors=True)
     for entry in (exp / "registry").glob("*/"):
         shutil.rmtree(entry, ignore_errors=True)
     # One line per step in each (trainer/worker.py); the timeline's spans per role.
@@ -93,6 +97,16 @@ def prepare_experiment(cfg):
         )
     save_config(cfg, exp / "config.yaml")
     return ckpt
+
+
+def prepare_recovery(cfg, n: int) -> None:
+    """Ready the experiment directory for the n-th automatic restart of the run: exactly
+    what resume=true does, keeping the failed attempt's logs in logs.attempt{n-1}/."""
+    logs = cfg.exp_dir / "logs"
+    if logs.exists():
+        logs.rename(cfg.exp_dir / f"logs.attempt{n - 1}")
+    cfg.resume = True  # the roles read it from the config.yaml written below
+    prepare_experiment(cfg)
 
 
 def plan_run(cfg):
@@ -189,11 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     if alloc is None:
         from areal.launcher.local import LocalLauncher
 
-        return LocalLauncher(cfg).run()
+        return LocalLauncher(cfg).run(resume=lambda n: prepare_recovery(cfg, n))
     from areal.launcher.slurm import SlurmLauncher
 
     print(f"areal: SLURM job {alloc.job_id}; placement plan:\n{plan.describe()}", flush=True)
-    return SlurmLauncher(cfg, alloc, plan).run()
+    return SlurmLauncher(cfg, alloc, plan).run(resume=lambda n: prepare_recovery(cfg, n))
 
 
 if __name__ == "__main__":

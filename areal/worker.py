@@ -31,12 +31,14 @@ async def _serve_until_stopped(server: RpcServer) -> None:
 
 
 async def _rollout(cfg, index: int, key: bytes) -> None:
+    from areal.rollout.auth import api_key
     from areal.rollout.launch import server_log_path, wait_for_server
     from areal.rollout.worker import RolloutWorker
 
     registry = Registry(cfg.exp_dir)
     timeout = cfg.inference.startup_timeout_s
     url = registry.lookup("server", index, timeout=timeout)
+    fatal: list[Exception] = []  # recovery gave up on the server: this process ends with it
     worker = RolloutWorker(
         url,
         interruptible=cfg.rollout.interruptible,
@@ -44,6 +46,10 @@ async def _rollout(cfg, index: int, key: bytes) -> None:
         find_server=lambda: registry.lookup("server", index, timeout=timeout),
         update_timeout_s=cfg.inference.update_timeout_s,
         update_retries=cfg.inference.update_retries,
+        recovery_timeout_s=cfg.inference.startup_timeout_s
+        + cfg.inference.update_timeout_s * cfg.inference.update_retries,
+        on_fatal=lambda e: (fatal.append(e), server.close()),
+        api_key=api_key(cfg.exp_dir),
     )
     # On failure: the server's command line and the tail of logs/server{index}.log.
     await wait_for_server(
@@ -59,6 +65,8 @@ async def _rollout(cfg, index: int, key: bytes) -> None:
         await _serve_until_stopped(server)
     finally:
         await worker.client.close()
+    if fatal:
+        raise fatal[0]
 
 
 async def _reward(cfg, index: int, key: bytes) -> None:

@@ -80,6 +80,7 @@ class ReplayBuffer:
     def state_dict(self) -> dict:
         """Ready groups only: groups in flight at a checkpoint are generated again."""
         return {
+            "next_index": self._next_index,  # group ids are never reused, resumes included
             "groups": [
                 {
                     "index": i,
@@ -96,4 +97,4 @@ class ReplayBuffer:
             g["index"]: _Slot(g["start_version"], [Trajectory.from_wire(t) for t in g["group"]])
             for g in state["groups"]
         }
-        self._next_index = max(self._slots, default=-1) + 1
+        self._next_index = max(state.get("next_index", 0), max(self._slots, default=-1) + 1)

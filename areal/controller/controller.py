@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import random
 import signal
 import time
@@ -43,6 +44,7 @@ from areal.comm.wire import pack, unpack
 from areal.controller.buffer import ReplayBuffer
 from areal.controller.router import Router
 from areal.controller.staleness import StalenessGate
+from areal.process import RESTARTS_ENV
 from areal.trajectory import Trajectory
 from areal.weights import retire_older_than
 from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, Workflow, load_workflow
@@ -83,6 +85,8 @@ class Controller:
         self._update_lock = asyncio.Lock()
         self._tokens_generated = 0
         self._last_stats_time = time.time()
+        self.restarts = int(os.environ.get(RESTARTS_ENV, "0"))
+        """How many times the launcher restarted this run from a checkpoint (recovery)."""
         self.sampling = {
             "max_new_tokens": cfg.rollout.max_new_tokens,
             "temperature": cfg.rollout.temperature,
@@ -99,7 +103,8 @@ class Controller:
     def _next_row(self) -> dict:
         if self._retry:
             return self._retry.pop(0)
-        row = self.rows[self._order[self._pos]]
+        draw = self._epoch * len(self.rows) + self._pos
+        row = {**self.rows[self._order[self._pos]], "draw_id": draw}
         self._pos += 1
         if self._pos == len(self._order):
             self._epoch, self._pos = self._epoch + 1, 0
@@ -157,6 +162,7 @@ class Controller:
             return
         for t in trajs:  # the buffer's group, whatever the workflow wrote
             t.group_id, t.start_version = index, start_version
+            t.draw_id = row["draw_id"]
         async with self.changed:
             # In one step with the buffer, so a checkpoint sees the group in exactly one place.
             self._rows_in_flight.pop(index)
@@ -235,6 +241,10 @@ class Controller:
         stats = await self._stats()
         # Samples whose tokens came from more than one policy version (interrupted by updates).
         stats["rollout/multi_version_samples"] = sum(len(set(t.versions)) > 1 for t in trajs)
+        # What was trained, by identity: a resumed or recovered run trains each draw once.
+        stats["batch/group_ids"] = [g[0].group_id for g in batch]
+        stats["batch/draw_ids"] = [g[0].draw_id for g in batch]
+        stats["recover/restarts"] = self.restarts
         return {"trajectories": [t.to_wire() for t in trajs], "stats": stats}
 
     async def _stats(self) -> dict:

@@ -7,9 +7,12 @@ A launcher differs only in `command` (how a step's command line is run: directly
 wrapped in srun). The run succeeds when every trainer rank exits 0 (after the last
 checkpoint); the other roles are services, stopped then. A dead inference server is
 restarted in its place, up to inference.max_restarts times (its rollout worker routes
-around it meanwhile and reloads the latest weights into it). Any other exit of any step
-stops everything and names the role with the tail of its log. SIGTERM (scancel, kill)
-and Ctrl-C stop everything too.
+around it meanwhile and reloads the latest weights into it). Any other death (a trainer
+rank, the controller, a rollout worker, a reward service) stops every role and restarts
+the whole run from its latest checkpoint, exactly as `resume=true` would, up to
+recover.max_restarts times (the console says so; metrics count it in recover/restarts);
+after that, or with no way to resume, it stops everything and names the role with the
+tail of its log. SIGTERM (scancel, kill) and Ctrl-C stop everything too.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from areal.launcher.plan import Plan, Step
 from areal.launcher.progress import Progress
 from areal.loggers import MetricSink, make_loggers
-from areal.process import die_with_parent
+from areal.process import RESTARTS_ENV, die_with_parent
 
 
 @dataclass
@@ -83,6 +87,8 @@ class Launcher(abc.ABC):
         self.exp_dir = cfg.exp_dir
         self.log_dir = self.exp_dir / "logs"
         self.procs: list[Proc] = []
+        self.recoveries = 0
+        """Times the whole run was restarted from its latest checkpoint."""
 
     @abc.abstractmethod
     def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -90,6 +96,10 @@ class Launcher(abc.ABC):
 
     def exit_reason(self, rc: int) -> str:
         return exit_reason(rc)
+
+    def start_failure(self, p: Proc) -> str | None:
+        """Why step p could never start (a restart would fail the same way), if so."""
+        return None
 
     def start(self, step: Step, restarts: int = 0) -> Proc:
         log = self.log_dir / f"{step.name}.log"
@@ -103,7 +113,13 @@ class Launcher(abc.ABC):
                 # Its own process group: stopping a step stops its children (grading pools).
                 start_new_session=True,
                 preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **step.env, **env},
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    RESTARTS_ENV: str(self.recoveries),
+                    **step.env,
+                    **env,
+                },  # fmt: skip
             )
         return Proc(step, popen, log, restarts)
 
@@ -139,32 +155,39 @@ class Launcher(abc.ABC):
                 pass
             p.popen.wait()
 
-    def run(self) -> int:
-        """Start all steps, show progress, stop everything; returns the exit code."""
+    def run(self, resume: Callable[[int], None] | None = None) -> int:
+        """Start all steps, show progress, stop everything; returns the exit code.
+        `resume(n)` readies the experiment directory for the n-th recovery (as resume=true
+        does); without it a dead role stops the run."""
         sink = MetricSink(make_loggers(self.cfg))  # TensorBoard, W&B: off the main loop
         progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps, sink)
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
-            for step in self.plan.steps:
-                self.procs.append(self.start(step))
-            trainers = [p for p in self.procs if p.step.role == "trainer"]
+            self.procs = [self.start(step) for step in self.plan.steps]
             while True:
                 progress.poll()
-                for i, p in enumerate(self.procs):
-                    rc = p.popen.poll()
-                    if rc is None or (rc == 0 and p.step.role == "trainer"):
-                        continue
-                    if p.step.role == "server" and p.restarts < self.cfg.inference.max_restarts:
-                        self.restart_server(i, rc)
-                        continue
-                    progress.close()
-                    print(
-                        f"\nareal: role {p.name} {self.exit_reason(rc)}; stopping the run. "
-                        f"Last lines of {p.log}:\n{tail(p.log, self.cfg.launcher.log_tail_lines)}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    return 1
+                dead = self._dead_role()
+                if dead is not None:
+                    p, rc = dead
+                    if (why := self.start_failure(p)) is not None:
+                        progress.close()
+                        print(f"\nareal: {why}; stopping the run", file=sys.stderr, flush=True)
+                        return 1
+                    if resume is None or self.recoveries >= self.cfg.recover.max_restarts:
+                        progress.close()
+                        self._report(p, rc, "stopping the run")
+                        return 1
+                    self.recoveries += 1
+                    self._report(
+                        p, rc, "restarting the run from its latest checkpoint "
+                        f"({self.recoveries}/{self.cfg.recover.max_restarts})",
+                    )  # fmt: skip
+                    self.stop_all()
+                    resume(self.recoveries)
+                    progress.rewind()
+                    self.procs = [self.start(step) for step in self.plan.steps]
+                    continue
+                trainers = [p for p in self.procs if p.step.role == "trainer"]
                 if all(p.popen.poll() == 0 for p in trainers):
                     progress.poll()
                     progress.close()
@@ -182,3 +205,29 @@ class Launcher(abc.ABC):
         finally:
             self.stop_all()
             signal.signal(signal.SIGTERM, previous)
+
+    def _dead_role(self) -> tuple[Proc, int] | None:
+        """A role whose exit ends this attempt (a server is restarted in place instead)."""
+        for i, p in enumerate(self.procs):
+            rc = p.popen.poll()
+            if rc is None or (rc == 0 and p.step.role == "trainer"):
+                continue
+            restartable = self.start_failure(p) is None
+            if (
+                p.step.role == "server"
+                and restartable
+                and p.restarts < self.cfg.inference.max_restarts
+            ):
+                self.restart_server(i, rc)
+                continue
+            return p, rc
+        return None
+
+    def _report(self, p: Proc, rc: int, what: str) -> None:
+        print(
+            f"\nareal: role {p.name} {self.exit_reason(rc)}; {what}. "
+            f"Last lines of {p.log}:\n{tail(p.log, self.cfg.launcher.log_tail_lines)}",
+            file=sys.stderr,
+            flush=True,
+        )
+

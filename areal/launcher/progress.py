@@ -61,6 +61,16 @@ class Progress:
                 if self.sink is not None:
                     self.sink.log(m)
 
+    def rewind(self) -> None:
+        """After a recovery cut metrics.jsonl back to its checkpoint: go on from there. The
+        steps written again reach the loggers again (TensorBoard keeps the newer ones)."""
+        text = self.path.read_text() if self.path.exists() else ""
+        self.offset = len(text)
+        kept = [json.loads(line) for line in text.splitlines() if line.strip()]
+        self.times = [(m["step"], m["time"]) for m in kept]
+        self.bar.n = len(kept)
+        self.bar.refresh()
+
     def close(self) -> None:
         if self._closed:
             return

@@ -11,6 +11,10 @@ gets AREAL_HOST = its node's address, so it binds all interfaces and registers a
 the other nodes reach. A dead step stops every other (SIGTERM to the sruns, which forward
 it), and the launcher exits 1 so the job ends FAILED; SLURM itself kills whatever is left
 when the batch script ends, and on scancel every step is signalled by slurmd directly.
+
+A step SLURM cannot create (its node's CPUs or GPUs are held by other steps, or the
+allocation lacks them) fails within STEP_START_S (srun --immediate) instead of waiting
+forever, and the run stops at once naming the step, its node and what it asked for.
 """
 
 from __future__ import annotations
@@ -113,6 +117,11 @@ def plan_in_allocation(cfg, alloc: Allocation) -> Plan:
     return make_plan(cfg, alloc.nodes[:n], gpus, alloc.addresses, master_port)
 
 
+STEP_START_S = 10
+"""Seconds srun may wait for a step's resources (a just-stopped step may still hold them)."""
+_NO_STEP = "Unable to create step"  # srun's words when it gives up creating a step
+
+
 class SlurmLauncher(Launcher):
     def __init__(self, cfg, alloc: Allocation, plan: Plan):
         super().__init__(cfg, plan)
@@ -128,6 +137,27 @@ class SlurmLauncher(Launcher):
             return f"was killed by {name} (srun exit code {rc})"
         return super().exit_reason(rc)
 
+    def start_failure(self, p) -> str | None:
+        try:
+            lines = p.log.read_text(errors="replace").splitlines()[:50]
+        except OSError:
+            return None
+        errors = [ln.strip() for ln in lines if ln.startswith("srun: error")]
+        if not any(_NO_STEP in ln for ln in errors):
+            return None
+        step = p.step
+        asked = f"{step.gpus} GPU(s), {self._cpus(step)} CPU(s)" if step.gpus else "shared CPUs"
+        return (
+            f"SLURM could not create step {step.name} on node {step.node} (it asks for "
+            f"{asked}, the allocation has {self.alloc.gpus_per_node} GPU(s) and "
+            f"{self.alloc.cpus_per_node} CPU(s) per node): "
+            + " ".join(errors)
+            + ". Free those resources, or ask the allocation for more"
+        )
+
+    def _cpus(self, step: Step) -> int:
+        return max(1, self.alloc.cpus_per_node // self.plan.gpus_per_node * step.gpus)
+
     def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
         srun = [
             "srun",
@@ -137,10 +167,11 @@ class SlurmLauncher(Launcher):
             f"--job-name={step.name}",
             "--export=ALL",  # the launcher's environment (venv, PYTHONPATH) plus the step's
             "--kill-on-bad-exit=1",
+            f"--immediate={STEP_START_S}",
         ]
         if step.gpus:
             # The step holds its GPUs (and a fair share of CPUs) alone: no other step gets them.
-            cpus = max(1, self.alloc.cpus_per_node // self.plan.gpus_per_node * step.gpus)
+            cpus = self._cpus(step)
             srun += ["--exact", f"--gpus-per-node={step.gpus}", f"--cpus-per-task={cpus}"]
         else:
             # CPU roles share the node with the GPU steps (and, in CPU runs, with each other).

@@ -22,6 +22,10 @@ What each layer stops (the README's "Sandbox" section says the same for users):
   the network and pid namespaces when user namespaces work; the file system stays visible
   (read what anyone may read, write in /tmp, write files to disk until time is up).
 
+The program's environment is fixed and minimal in every mode (`program_env`): PATH, LANG
+and HOME (its own directory); nothing of the grader's environment, which on a cluster holds
+tokens (W&B, Hugging Face, cloud credentials), reaches it.
+
 Results come back as plain bytes read from a file the sandbox wrote: nothing from the
 program is ever unpickled or evaluated here.
 """
@@ -70,6 +74,11 @@ class Run:
     stdout: bytes
     returncode: int
     timed_out: bool
+
+
+def program_env(home: str) -> dict[str, str]:
+    """The whole environment of a sandboxed program: nothing is inherited."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home}
 
 
 def sandbox_uid() -> int:
@@ -196,7 +205,9 @@ def run_python(source: str, stdin: str, limits: Limits, files: dict[str, str] | 
         inside = "/sandbox" if m == "bwrap" else workdir
         if m == "bwrap":
             names = ("prog.py", *(files or {}))
-            argv = _bwrap_argv(workdir, names, limits.disk_mb)
+            # --clearenv too: bwrap itself must not hand on anything we did not set.
+            argv = _bwrap_argv(workdir, names, limits.disk_mb) + ["--clearenv"]
+            argv += [a for k, v in program_env(inside).items() for a in ("--setenv", k, v)]
         else:
             argv = _unshare_argv(workdir) if m == "unshare" else []
         argv += [interpreter(), "-I", "-S", "-B", f"{inside}/prog.py"]
@@ -211,6 +222,7 @@ def run_python(source: str, stdin: str, limits: Limits, files: dict[str, str] | 
                 stdout=fout,
                 stderr=subprocess.DEVNULL,
                 cwd=workdir,
+                env=program_env(inside),
                 start_new_session=True,
                 # The uid is computed here: in the child, getpid() is the child's own.
                 preexec_fn=functools.partial(_limit, limits, sandbox_uid(), _nproc(limits)),

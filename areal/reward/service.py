@@ -5,7 +5,9 @@
 
 Grading runs in separate processes so that a slow or crashing grader never blocks the
 service and so that graders needing the main thread (signals) have one. A grader error or
-a timeout scores the response as wrong and is counted; it never fails the request.
+a timeout scores the response as wrong and is counted; it never fails the request. The pool
+is pebble's: it kills a grading process that outlives its timeout (and only that one) and
+starts another in its place, and reports a process that died as ProcessExpired.
 Graders: arith (areal.data.arith), math (areal.reward.math, math-verify), code
 (areal.reward.code: unit tests in areal.reward.sandbox).
 """
@@ -13,10 +15,10 @@ Graders: arith (areal.data.arith), math (areal.reward.math, math-verify), code
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from pebble import ProcessExpired, ProcessPool
 
 from areal.data import arith
 from areal.process import die_with_parent
@@ -65,7 +67,7 @@ class RewardService:
                 "isolation (see README, Sandbox)",
                 mode,
             )
-        self.pool = self._new_pool()
+        self.pool = ProcessPool(n_workers, initializer=die_with_parent)
         # At most one grading per pool process is submitted, so that a response's time
         # limit counts its own grading, never its wait in the pool's queue.
         self.slots = asyncio.Semaphore(n_workers)
@@ -83,49 +85,27 @@ class RewardService:
 
     async def _grade_now(self, task: str, response: str, answer) -> bool:
         self.counts["graded"] += 1
-        submit = functools.partial(grade_one, task, response, answer, self.options.get(task, {}))
+        future = self.pool.schedule(
+            grade_one, (task, response, answer, self.options.get(task, {})), timeout=self.timeout_s
+        )
         try:
-            for _ in range(3):
-                pool = self.pool
-                fut = pool.submit(submit)
-                try:
-                    return await asyncio.wait_for(asyncio.wrap_future(fut), self.timeout_s)
-                except BrokenProcessPool:
-                    if pool is self.pool:
-                        raise
-                    # Another response's timeout restarted the pool under us: not this
-                    # response's fault, so it is graded again on the new pool.
-            raise BrokenProcessPool("the pool was restarted three times under one response")
-        except TimeoutError:
+            return await asyncio.wrap_future(future)
+        except (FutureTimeout, TimeoutError):  # pebble killed that grading's process
             self.counts["timeouts"] += 1
             log.warning("grading timed out after %.1fs; scored wrong", self.timeout_s)
-            self._restart_pool()  # the stuck process would otherwise hold a worker forever
-        except BrokenProcessPool:
+        except ProcessExpired as e:  # the grading process died (a grader crash, OOM kill)
             self.counts["errors"] += 1
-            log.warning("a grading process died; restarting the pool; scored wrong")
-            self._restart_pool()
+            log.warning("a grading process died (%s); scored wrong", e)
         except Exception as e:  # a grader bug must not take the service down
             self.counts["errors"] += 1
             log.warning("grader error (%s: %s); scored wrong", type(e).__name__, e)
         return False
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self.n_workers, initializer=die_with_parent)
-
-    def _restart_pool(self) -> None:
-        old, self.pool = self.pool, self._new_pool()
-        for proc in list(getattr(old, "_processes", {}).values()):
-            proc.kill()
-        old.shutdown(wait=False, cancel_futures=True)
 
     async def stats(self) -> dict:
         counts, self.counts = self.counts, {"graded": 0, "timeouts": 0, "errors": 0}
         return counts
 
     def close(self) -> None:
-        # Kill first, then wait: a stuck grading cannot hold up the shutdown, and the pool's
-        # threads are gone before interpreter exit (else its atexit hook writes to a closed
-        # pipe and prints a traceback).
-        for proc in list(getattr(self.pool, "_processes", {}).values()):
-            proc.kill()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        # stop() kills the processes, so a stuck grading cannot hold up the shutdown.
+        self.pool.stop()
+        self.pool.join(timeout=30)

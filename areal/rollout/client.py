@@ -24,6 +24,8 @@ from typing import Any
 
 import aiohttp
 
+from areal.rollout.auth import auth_header
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -146,9 +148,11 @@ def _field(obj: dict, key: str, kind: type, prefix: str) -> Any:
 class SGLangClient:
     """Async calls to one inference server; one aiohttp session per client and event loop."""
 
-    def __init__(self, base_url: str, timeout: float = 3600) -> None:
+    def __init__(self, base_url: str, timeout: float = 3600, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.api_key = api_key
+        """Sent as `Authorization: Bearer` with every call (None: the server is open)."""
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -238,6 +242,7 @@ class SGLangClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers=auth_header(self.api_key),
             )
             self._loop = loop
         return self._session

@@ -11,7 +11,10 @@ directly. The rollout worker waits for /health, so registering before listening 
 Before exec the role prints the server's command line as the first line of its log
 (logs/server{k}.log) and, for SGLang, checks that inference.python imports the supported
 version. A server that does not become healthy is reported by `wait_for_server` with that
-command line and the log's last lines. GPUs: the server uses every GPU it sees, so
+command line and the log's last lines. Every server of a run requires the run's API key
+(areal/rollout/auth.py): an embedded one gets it in its environment, SGLang as --api-key
+(shown as *** in the log); an embedded one loads weights only from under the experiment
+directory and the model path. GPUs: the server uses every GPU it sees, so
 CUDA_VISIBLE_DEVICES must name its own (srun sets it for a SLURM step; plan.Step.gpu_ids
 says which for a launcher that sets it itself).
 """
@@ -29,6 +32,7 @@ from areal.comm.registry import Registry
 from areal.config import ConfigError
 from areal.events import events_path
 from areal.launcher.plan import role_threads
+from areal.rollout.auth import API_KEY_ENV, api_key
 
 SUPPORTED_SGLANG = "0.5.23"
 """The SGLang release whose HTTP API we speak; pyproject's `sglang` extra pins the same."""
@@ -47,8 +51,9 @@ def _start_weights(cfg) -> tuple[str, int]:
     return cfg.model.path, 0
 
 
-def server_command(cfg, k: int, host: str, port: int) -> list[str]:
-    """The command line of inference server k, listening on host:port."""
+def server_command(cfg, k: int, host: str, port: int, api_key: str | None = None) -> list[str]:
+    """The command line of inference server k, listening on host:port (for SGLang, with
+    api_key; an embedded server reads it from its environment instead)."""
     inf = cfg.inference
     model, version = _start_weights(cfg)
     python = inf.python or sys.executable
@@ -66,7 +71,10 @@ def server_command(cfg, k: int, host: str, port: int) -> list[str]:
         }
         if cfg.stats.events:
             args["--events-file"] = events_path(cfg.exp_dir, f"server{k}")
-        return [python, "-m", "areal.rollout.server", *_flat(args)]
+        # Weight loads only from the run's own directories: the checkpoints and versions
+        # under the experiment directory, and the model it started from.
+        roots = ["--weights-root", str(cfg.exp_dir), "--weights-root", str(cfg.model.path)]
+        return [python, "-m", "areal.rollout.server", *_flat(args), *roots]
     if inf.backend != "sglang":
         raise ConfigError(f"inference.backend={inf.backend!r} must be embedded or sglang")
     # SGLang 0.5.x ServerArgs. Log-probs need no flag: each /generate asks for them with
@@ -83,7 +91,13 @@ def server_command(cfg, k: int, host: str, port: int) -> list[str]:
         "--random-seed": cfg.seed + k,
         "--weight-version": version,
     }
-    return [python, "-m", "sglang.launch_server", *_flat(args), *inf.extra_args]
+    auth = ["--api-key", api_key] if api_key else []
+    return [python, "-m", "sglang.launch_server", *_flat(args), *auth, *inf.extra_args]
+
+
+def redacted(cmd: list[str]) -> list[str]:
+    """cmd with the value after --api-key hidden, for logs."""
+    return ["***" if i > 0 and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
 
 
 def _flat(args: dict) -> list[str]:
@@ -121,8 +135,9 @@ def exec_server(cfg, k: int) -> None:
     """Register server k's URL, then become the server process; does not return."""
     host = net.bind_host()
     port = net.free_port(host)
-    cmd = server_command(cfg, k, host, port)
-    print(COMMAND_PREFIX + shlex.join(cmd), flush=True)
+    key = api_key(cfg.exp_dir)
+    cmd = server_command(cfg, k, host, port, api_key=key)
+    print(COMMAND_PREFIX + shlex.join(redacted(cmd)), flush=True)
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     print(f"areal: CUDA_VISIBLE_DEVICES={gpus if gpus is not None else '(unset)'}", flush=True)
     if cfg.inference.backend == "sglang" and cfg.inference.check_version:
@@ -133,10 +148,12 @@ def exec_server(cfg, k: int) -> None:
     Registry(cfg.exp_dir).register("server", k, f"http://{net.advertised_host()}:{port}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, {**os.environ, API_KEY_ENV: key})
 
 
-def start_server_process(cmd: list[str], log_path: Path) -> subprocess.Popen:
+def start_server_process(
+    cmd: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Run a server command as a child that dies with this process, its output in log_path
     after a first line with the command (what `wait_for_server` reports)."""
     from areal.process import die_with_parent
@@ -146,20 +163,21 @@ def start_server_process(cmd: list[str], log_path: Path) -> subprocess.Popen:
         log.flush()
         return subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent,
+            start_new_session=True, preexec_fn=die_with_parent, env=env,
         )  # fmt: skip
 
 
 def start_embedded_server(
-    model: str | Path, log_path: Path, *args: str
+    model: str | Path, log_path: Path, *args: str, api_key: str | None = None
 ) -> tuple[subprocess.Popen, str]:
     """The embedded server on a free loopback port, as a child that dies with this process
     (eval, benchmarks, tests); returns the process and its URL. Poll /health (or call
-    `wait_for_server`) to know it is ready."""
+    `wait_for_server`) to know it is ready. With api_key it requires that key."""
     port = net.free_port("127.0.0.1")
     cmd = [sys.executable, "-m", "areal.rollout.server", "--model", str(model)]
     cmd += ["--port", str(port), *args]
-    return start_server_process(cmd, log_path), f"http://127.0.0.1:{port}"
+    env = {**os.environ, API_KEY_ENV: api_key} if api_key else None
+    return start_server_process(cmd, log_path, env), f"http://127.0.0.1:{port}"
 
 
 class ServerStartError(RuntimeError):

@@ -13,7 +13,11 @@ until the model is loaded, which happens after the port is open.
 
     python -m areal.rollout.server --model DIR --port N [--host 127.0.0.1]
         [--max-batch-size 64] [--max-total-tokens 0] [--seed 0] [--num-threads 1]
-        [--weight-version 0]
+        [--weight-version 0] [--api-key KEY] [--weights-root DIR ...] [--events-file F]
+
+With an API key (--api-key, or AREAL_API_KEY in the environment) every request but /health
+needs `Authorization: Bearer KEY` (areal/rollout/auth.py); without one the server is open,
+as SGLang is. With --weights-root, /update_weights_from_disk loads only from under those.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import uuid
@@ -33,6 +38,7 @@ from aiohttp import web
 
 from areal import events, rolelog
 from areal.rollout.activity import ServerActivity
+from areal.rollout.auth import API_KEY_ENV, require_api_key, weights_path_problem
 from areal.rollout.engine import PAUSE_MODES, DecodeEngine, GenerationResult, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -304,6 +310,12 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     model_path = body.get("model_path")
     if not isinstance(model_path, str) or not model_path:
         raise BadRequest("model_path must be a non-empty string")
+    problem = weights_path_problem(model_path, _state(request)["weight_roots"])
+    if problem:
+        logger.warning("refused to load weights: %s", problem)
+        return web.json_response(
+            {"success": False, "message": problem, "num_paused_requests": 0}, status=400
+        )
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str | int):
         raise BadRequest("weight_version must be a string or null")
@@ -395,10 +407,15 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response({"error": {"message": f"internal error: {e}"}}, status=500)
 
 
-def create_app(tokenizer_path: str) -> web.Application:
+def create_app(
+    tokenizer_path: str, api_key: str | None = None, weight_roots: list[str] | None = None
+) -> web.Application:
     """The application; put the engine at app[ENGINE_KEY]["engine"] once it is loaded."""
-    app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
-    state: dict = {"engine": None, "tokenizer_path": tokenizer_path}
+    middlewares = [require_api_key(api_key), _errors] if api_key else [_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
+    state: dict = {
+        "engine": None, "tokenizer_path": tokenizer_path, "weight_roots": weight_roots or [],
+    }  # fmt: skip
     state["activity"] = ServerActivity(lambda: getattr(state["engine"], "weight_version", None))
     app[ENGINE_KEY] = state
     app.router.add_route("POST", "/generate", generate)
@@ -474,7 +491,7 @@ def _per_request(value: Any, n: int, name: str, kind: type) -> list[Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    app = create_app(args.model)
+    app = create_app(args.model, args.api_key, args.weights_root)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -530,6 +547,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--events-file", help="record generate/pause/load spans here (areal/events.py)"
     )
+    parser.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV}; none = open)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--weights-root", action="append", default=[],
+        help="load weights only from under this directory (repeatable; none = anywhere)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.events_file:
         events.configure(args.events_file, Path(args.events_file).stem)

@@ -10,7 +10,7 @@
 | one sample        | the server's /generate answer  | finish (stop/length) or an abort      |
 | resumed sample    | the server to continue         | the weight update finishing           |
 | weight update     | the server to pause and load   | /update_weights_from_disk answering   |
-| recovery          | the restarted server's /health | the launcher restarting the server    |
+| recovery          | the restarted server's /health | the launcher restarting it; deadline  |
 
 Interruptible (the paper): an update aborts in-flight generations; each comes back with its
 partial output, and is resubmitted as prompt + partial output, which the paused server
@@ -56,13 +56,21 @@ class RolloutWorker:
         find_server: Callable[[], str] | None = None,
         update_timeout_s: float = 600.0,
         update_retries: int = 3,
+        recovery_timeout_s: float = 900.0,
+        on_fatal: Callable[[Exception], None] | None = None,
+        api_key: str | None = None,
     ):
-        self.client = SGLangClient(server_url)
+        self.api_key = api_key
+        self.client = SGLangClient(server_url, api_key=api_key)
         self.interruptible = interruptible
         self.find_server = find_server or (lambda: server_url)
         """The server's current URL (a restarted server may listen on another port)."""
         self.update_timeout_s = update_timeout_s
         self.update_retries = update_retries
+        self.recovery_timeout_s = recovery_timeout_s
+        """Seconds a dead server has to come back before this worker gives up (and exits)."""
+        self.on_fatal = on_fatal or (lambda e: None)
+        """Called when recovery gives up: the worker's process ends with that error."""
         self.version = 0
         """The version the server holds."""
         self._latest: tuple[int, str] | None = None  # the newest (version, path) asked for
@@ -200,15 +208,20 @@ class RolloutWorker:
         self._alive.clear()
         log.warning("inference server %s is down (%s); recovering", self.client.base_url, reason)
         self._recovery = asyncio.create_task(self._recover())
+        self._recovery.add_done_callback(
+            lambda t: t.cancelled() or t.exception() is None or self.on_fatal(t.exception())
+        )
 
     async def _recover(self) -> None:
-        """Until the (restarted) server is healthy and holds the latest version."""
+        """Until the (restarted) server is healthy and holds the latest version; gives up
+        with TimeoutError after recovery_timeout_s (the launcher has given up on it too)."""
+        deadline = time.monotonic() + self.recovery_timeout_s
         while True:
             try:
                 url = await asyncio.to_thread(self.find_server)
                 if url.rstrip("/") != self.client.base_url:
                     await self.client.close()
-                    self.client = SGLangClient(url)
+                    self.client = SGLangClient(url, api_key=self.api_key)
                 if await self.client.health():
                     async with self._update_lock:
                         # A restarted server starts from the weights the run started from.
@@ -219,6 +232,12 @@ class RolloutWorker:
                         return
             except Exception as e:  # keep trying: the launcher stops the run if it cannot
                 log.warning("inference server %s is not usable yet: %s", self.client.base_url, e)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"inference server {self.client.base_url} was not back within "
+                    f"{self.recovery_timeout_s:g} s (inference.startup_timeout_s + the weight "
+                    "load's time): giving up on it; see its log"
+                )
             await asyncio.sleep(_RECOVERY_POLL_S)
 
     async def wait_ready(self) -> dict:

@@ -172,6 +172,7 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
     metrics_path = cfg.exp_dir / "metrics.jsonl"
     t_last = time.time()
     t_start = t_last - last_time(metrics_path)  # a resumed run's clock goes on
+    t_saved = t_last
     with open(metrics_path, "a") as metrics, open(cfg.exp_dir / "batches.jsonl", "a") as batches:
         for step in range(version, cfg.total_train_steps):
             reply = _get_batch(controller, version, dp)
@@ -206,12 +207,22 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
             batches.flush()  # before metrics: a reader that sees a step finds its batch
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-            freq = cfg.trainer.save_freq_steps
-            if version == cfg.total_train_steps or (freq and version % freq == 0):
+            if _save_due(cfg, backend, version, t_saved):
                 with events.span("checkpoint", version=version):
                     save_checkpoint(cfg, backend, controller, version)
+                t_saved = time.time()
     dp.barrier()
     controller.close()
+
+
+def _save_due(cfg, backend, version: int, t_saved: float) -> bool:
+    """After the last step, every save_freq_steps, or save_freq_s after the last save
+    (rank 0 alone decides by time: not with a backend whose ranks all take part in a save)."""
+    freq, freq_s = cfg.trainer.save_freq_steps, cfg.trainer.save_freq_s
+    if version == cfg.total_train_steps or (freq and version % freq == 0):
+        return True
+    timed = freq_s and not getattr(backend, "collective_save", False)
+    return bool(timed and time.time() - t_saved >= freq_s)
 
 
 def _step_args(cfg, step: int) -> dict:

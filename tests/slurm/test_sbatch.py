@@ -118,7 +118,8 @@ def test_sbatch_run_completes(tmp_path, tiny_model):
 
 
 def test_a_dead_step_fails_the_job(tmp_path, tiny_model):
-    job = sbatch(tmp_path, tiny_model, "total_train_steps=100000", gpus=0)
+    overrides = ("total_train_steps=100000", "recover.max_restarts=0")
+    job = sbatch(tmp_path, tiny_model, *overrides, gpus=0)
     try:
         wait_for(lambda: metrics(tmp_path), 240, "the first training step")
         out = (tmp_path / "job.out").read_text()
@@ -184,3 +185,35 @@ def _cmdline(p: Path) -> bytes:
         return (p / "cmdline").read_bytes().replace(b"\0", b" ")
     except OSError:
         return b""
+
+
+def test_a_step_that_cannot_be_created_fails_the_job_at_once(tmp_path, tiny_model):
+    """Another step of the job holds n2's GPU, so trainer0's step cannot be created: the job
+    fails within seconds naming the step, its node and what it asked for (no recovery can
+    help), instead of waiting for the registry timeout."""
+    script = tmp_path / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        "set -euo pipefail\n"
+        f"cd {ROOT}\n"
+        "srun --nodes=1 --ntasks=1 --nodelist=n2 --exact --gpus-per-node=1 sleep 300 &\n"
+        "sleep 2\n"  # its step holds the GPU before the run starts
+        f"AREAL_ROOT={ROOT} source slurm/env.sh\n"
+        "python -m areal.train --config configs/tiny.yaml launcher.type=slurm "
+        f"fileroot={tmp_path} model.path={tiny_model} launcher.gpus_per_node=1 "
+        "total_train_steps=100000\n"
+    )
+    cmd = ["sbatch", "--parsable", "-N", "2", "--gpus-per-node=1", "--ntasks-per-node=1",
+           f"--output={tmp_path / 'job.out'}", str(script)]  # fmt: skip
+    job = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    job = job.strip().split(";")[0]
+    try:
+        started = time.monotonic()
+        wait_for(lambda: job_state(job) in ("FAILED", "COMPLETED"), 120, "the job to end")
+        assert time.monotonic() - started < 90
+        out = (tmp_path / "job.out").read_text()
+        assert job_state(job) == "FAILED", out[-3000:]
+        assert "SLURM could not create step trainer0 on node n2 (it asks for 1 GPU(s)" in out
+        assert "Requested nodes are busy" in out and "restarting" not in out, out[-3000:]
+    finally:
+        subprocess.run(["scancel", job], timeout=30)

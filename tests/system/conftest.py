@@ -30,10 +30,10 @@ def shared_tiny_models(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def embedded_server(model_dir: Path, log_path: Path, *extra: str):
+def embedded_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None):
     """Yields the URL of a ready server; on exit, asserts it stopped cleanly on SIGTERM."""
     proc, url = start_embedded_server(
-        model_dir, log_path, "--weight-version", "0", "--seed", "1", *extra
+        model_dir, log_path, "--weight-version", "0", "--seed", "1", *extra, api_key=api_key
     )
     try:
         deadline = time.monotonic() + 90

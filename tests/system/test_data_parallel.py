@@ -249,7 +249,7 @@ def test_a_killed_trainer_rank_stops_the_run(tmp_path):
         FAST_MODEL,
     )
     with launched(tmp_path, *overrides) as launcher:
-        _wait_for(lambda: (exp_dir / "metrics.jsonl").exists(), 120, "a training step")
+        _wait_for(lambda: (exp_dir / "metrics.jsonl").exists(), 300, "a training step")
         victims = [
             p
             for p in processes_mentioning(str(tmp_path))

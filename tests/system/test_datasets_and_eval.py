@@ -70,3 +70,25 @@ def test_eval_reports_sane_pass_at_k(tmp_path):
     assert result["reward_counts"]["graded"] == 16
     assert "pass@4" in proc.stdout and "wrote" in proc.stdout
     assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_a_short_code_run(tmp_path):
+    """dataset.type=code end to end: the code grader in the reward service's pool (the tiny
+    model writes no program, so every answer is wrong, and nothing errs or times out)."""
+    proc = run_train(
+        tmp_path,
+        "dataset.type=code",
+        f"dataset.path={DATA / 'code_sample.jsonl'}",
+        "total_train_steps=2",
+        "trial_name=code",
+        *SMALL,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "5 code problems" in proc.stdout
+    metrics = read_metrics(tmp_path / "tiny/code")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["reward/mean"] == -5.0
+        assert m["reward/timeouts"] == 0 and m["reward/errors"] == 0
+    assert processes_mentioning(str(tmp_path)) == []

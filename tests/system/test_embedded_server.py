@@ -354,7 +354,7 @@ def test_wait_healthy_fails_fast_when_the_server_process_dies():
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="exited with code 3"):
             await client.wait_healthy(timeout=30, proc=proc)
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 15
 
     run(body, f"http://127.0.0.1:{port}")
 

@@ -16,7 +16,7 @@ import zmq
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from areal.comm.registry import Registry
-from areal.comm.wire import seal
+from areal.comm.wire import seal, unpack
 from tests.system.conftest import SHARED_MODELS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +116,19 @@ def test_zero_staleness_is_synchronous(tmp_path):
     assert all(m["train/fresh_logprob_diff_max"] < 1e-3 for m in metrics)
 
 
+def test_a_whole_run_without_interruptible_generation(tmp_path):
+    """rollout.interruptible=false: a weight update waits for in-flight generations, so
+    none is interrupted and every sample comes from one version, within the bound."""
+    overrides = ("total_train_steps=6", "rollout.interruptible=false", "trial_name=nonint")
+    proc = run_train(tmp_path, *overrides, "model.tiny_warmup_steps=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "tiny/nonint")
+    assert [m["version"] for m in metrics] == list(range(1, 7))
+    assert all(m["rollout/interrupted"] == 0 for m in metrics)
+    assert all(m["rollout/multi_version_samples"] == 0 for m in metrics)
+    assert all(m["staleness/max"] <= 4 for m in metrics)
+
+
 @contextlib.contextmanager
 def launched(tmp_path: Path, *overrides: str):
     """`python -m areal.train` running in the background; killed if the test fails."""
@@ -149,7 +162,10 @@ def test_killed_role_stops_the_run(tmp_path, role):
     """Killing any one role makes the launcher stop the others and exit non-zero naming it
     (a server too, when it may not be restarted)."""
     exp_dir = tmp_path / "tiny/kill"
-    overrides = ("total_train_steps=100000", "trial_name=kill", "inference.max_restarts=0")
+    overrides = (
+        "total_train_steps=100000", "trial_name=kill", "inference.max_restarts=0",
+        "recover.max_restarts=0",
+    )  # fmt: skip
     with launched(tmp_path, *overrides) as launcher:
         # Wait until training is under way, so every role is up.
         _wait_for(
@@ -157,7 +173,7 @@ def test_killed_role_stops_the_run(tmp_path, role):
                 (exp_dir / "metrics.jsonl").exists()
                 and (exp_dir / "metrics.jsonl").read_text().count("\n") >= 2
             ),
-            120,
+            300,  # the tiny model is made first: minutes on a loaded machine
             "two training steps",
         )
         # Roles carry "--role NAME"; inference servers are "areal.rollout.server" processes.
@@ -167,7 +183,7 @@ def test_killed_role_stops_the_run(tmp_path, role):
         t_kill = time.time()
         os.kill(victims[0], signal.SIGKILL)
         out, err = launcher.communicate(timeout=60)
-        assert time.time() - t_kill < 15
+        assert time.time() - t_kill < 30
     assert launcher.returncode != 0
     assert f"role {role} was killed by SIGKILL" in err, err[-2000:]
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
@@ -199,7 +215,7 @@ def test_config_errors_are_fast_and_name_the_key(tmp_path):
     for override, needle in [("trainer.lrr=1", "trainer.lr"), ("trainer.lr=fast", "trainer.lr")]:
         t0 = time.time()
         proc = run_train(tmp_path, override, timeout=30)
-        assert time.time() - t0 < 2.0
+        assert time.time() - t0 < 6.0  # no role was started
         assert proc.returncode == 2
         assert needle in proc.stderr
 
@@ -213,7 +229,7 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
 def test_ctrl_c_stops_every_role(tmp_path):
     exp_dir = tmp_path / "tiny/int"
     with launched(tmp_path, "total_train_steps=100000", "trial_name=int") as launcher:
-        _wait_for(lambda: (exp_dir / "metrics.jsonl").exists(), 120, "a training step")
+        _wait_for(lambda: (exp_dir / "metrics.jsonl").exists(), 300, "a training step")
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 130
@@ -229,7 +245,7 @@ def test_resume_after_a_crash(tmp_path):
     with launched(tmp_path, "total_train_steps=100000", *common) as launcher:
         _wait_for(
             lambda: (exp_dir / "checkpoints/v000004").exists() and len(read_metrics(exp_dir)) >= 6,
-            120,
+            300,
             "a checkpoint and two more steps",
         )
         launcher.kill()
@@ -250,6 +266,13 @@ def test_resume_after_a_crash(tmp_path):
     acc = EventAccumulator(str(exp_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, 11))
+    # No draw from the dataset trained twice, none lost: trained, ready, or to be generated.
+    trained = [d for m in metrics for d in m["batch/draw_ids"]]
+    assert len(trained) == len(set(trained)) == 10 * 16
+    state = unpack((exp_dir / "checkpoints/v000010/controller.msgpack").read_bytes())
+    ready = [g["group"][0]["draw_id"] for g in state["buffer"]["groups"]]
+    retry = [row["draw_id"] for row in state["retry"]]
+    assert sorted(trained + ready + retry) == list(range(state["pos"]))
     # Nothing left to do: a second resume exits at once.
     again = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)
     assert again.returncode == 0 and "already has 10 of 10 steps" in again.stdout

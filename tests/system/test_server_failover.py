@@ -20,6 +20,7 @@ from areal.comm.wire import unpack
 from areal.config import load_config
 from areal.data.dataset import load_rows
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
+from areal.rollout.auth import api_key, auth_header
 from areal.rollout.launch import start_embedded_server
 from areal.rollout.worker import RolloutWorker
 from areal.trajectory import Trajectory
@@ -42,9 +43,11 @@ def start_server(model_dir: Path, log_path: Path):
     return proc, url
 
 
-async def wait_generated(worker: RolloutWorker, n: int) -> None:
+async def wait_generated(worker: RolloutWorker, n: int, timeout: float = 60) -> None:
     target = (await worker.client.server_info())["total_generated_tokens"] + n
+    deadline = asyncio.get_running_loop().time() + timeout
     while (await worker.client.server_info())["total_generated_tokens"] < target:
+        assert asyncio.get_running_loop().time() < deadline, f"{n} tokens not generated"
         await asyncio.sleep(0.01)
 
 
@@ -104,8 +107,10 @@ def test_worker_returns_partial_samples_of_a_dead_server_and_recovers(tmp_path):
         assert after.versions == [0] * n_before + [2] * (N_NEW - n_before)
 
 
-def running_requests(url: str) -> int:
-    with urllib.request.urlopen(url + "/get_server_info", timeout=5) as resp:
+def running_requests(url: str, exp_dir: Path) -> int:
+    headers = auth_header(api_key(exp_dir))  # the run's servers want its key
+    request = urllib.request.Request(url + "/get_server_info", headers=headers)
+    with urllib.request.urlopen(request, timeout=5) as resp:
         return json.load(resp)["num_running_reqs"]
 
 
@@ -133,7 +138,7 @@ def test_a_run_survives_a_killed_server_and_loses_no_prompt(tmp_path):
         ]  # fmt: skip
         assert len(victims) == 1, victims
         # Killed while it generates (the gate may have paused admission for a moment).
-        _wait_for(lambda: running_requests(url) >= 4, 60, "requests on server 0")
+        _wait_for(lambda: running_requests(url, exp_dir) >= 4, 60, "requests on server 0")
         os.kill(victims[0], signal.SIGKILL)
         _wait_for(lambda: "inference server 0 is back" in controller_log.read_text(), 120, "back")
         # A few steps with both servers again, and a checkpoint taken after them.

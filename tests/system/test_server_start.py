@@ -73,7 +73,7 @@ def test_standalone_server_then_killed_mid_request(model_dir, tmp_path):
             started = time.monotonic()
             with pytest.raises(ServerDied) as info:
                 await asyncio.wait_for(pending, 30)
-            assert time.monotonic() - started < 5
+            assert time.monotonic() - started < 15
             assert url in str(info.value) and "POST /generate" in str(info.value)
             assert isinstance(info.value, ConnectionError) and info.value.url == url
             # A call to the dead server: refused, the same error.

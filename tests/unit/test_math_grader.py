@@ -79,7 +79,7 @@ def test_a_huge_response_is_capped_and_fast():
     t0 = time.time()
     assert is_correct(response, "12")
     assert not is_correct(r"\boxed{" + "1" * 5000 + "}", "1" * 5000)  # a huge "answer"
-    assert time.time() - t0 < 5
+    assert time.time() - t0 < 10
 
 
 def test_an_unparseable_gold_answer_is_an_error_not_a_verdict():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from areal.comm.registry import create_key
 from areal.config import ConfigError, load_config
 from areal.launcher.plan import make_plan
 from areal.rollout.launch import (
@@ -18,6 +19,7 @@ from areal.rollout.launch import (
     exec_server,
     explain_start_failure,
     read_command,
+    redacted,
     server_command,
     sglang_version_problem,
 )
@@ -70,6 +72,19 @@ def test_embedded_command_line_uses_this_interpreter():
     cmd = server_command(cfg, 1, "127.0.0.1", 4000)
     assert cmd[:3] == [sys.executable, "-m", "areal.rollout.server"]
     assert cmd[cmd.index("--seed") + 1] == "2" and cmd[cmd.index("--model") + 1] == "/m"
+    # Weights only from the run's directory and the model; the key is not on the command
+    # line (any user of the node can read that), the server takes it from its environment.
+    roots = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--weights-root"]
+    assert roots == [str(cfg.exp_dir), "/m"]
+    assert "--api-key" not in server_command(cfg, 1, "127.0.0.1", 4000, api_key="k")
+
+
+def test_sglang_gets_the_api_key_and_logs_never_show_it():
+    cfg = load_config(None, ["inference.backend=sglang", "model.path=/m"])
+    cmd = server_command(cfg, 0, "127.0.0.1", 4000, api_key="s3cret")
+    assert cmd[cmd.index("--api-key") + 1] == "s3cret"
+    shown = shlex.join(redacted(cmd))
+    assert "s3cret" not in shown and "--api-key '***'" in shown
 
 
 @pytest.mark.parametrize(
@@ -118,6 +133,7 @@ def test_server_role_prints_its_command_and_refuses_a_wrong_sglang(tmp_path, cap
         None,
         [f"fileroot={tmp_path}", "inference.backend=sglang", f"inference.python={python}"],
     )
+    create_key(cfg.exp_dir)
     with pytest.raises(SystemExit) as info:
         exec_server(cfg, 0)
     assert info.value.code == 1
@@ -125,7 +141,7 @@ def test_server_role_prints_its_command_and_refuses_a_wrong_sglang(tmp_path, cap
     first = out.out.splitlines()[0]
     assert first.startswith(COMMAND_PREFIX + shlex.join([python, "-m", "sglang.launch_server"]))
     assert "imports sglang 0.4.9" in out.err
-    assert not (cfg.exp_dir / "registry").exists() or not any((cfg.exp_dir / "registry").iterdir())
+    assert not (cfg.exp_dir / "registry/server").exists()
 
 
 def test_start_failure_message_has_the_command_and_the_log_tail(tmp_path):
@@ -152,3 +168,36 @@ def test_gpu_plan_gives_each_step_its_own_gpus():
     ]
     assert [(s.node, s.gpu_ids) for s in trainers] == [("n1", (2,)), ("n1", (3,))]
     assert all(not s.gpu_ids for s in plan.steps if s.role not in ("server", "trainer"))
+
+
+def test_check_version_false_starts_an_unsupported_sglang_with_the_api_key(tmp_path):
+    """The server role, as the launcher starts it: with inference.check_version=false it
+    execs an interpreter that imports a wrong SGLang anyway, passing the run's API key."""
+    import subprocess
+
+    from areal.config import save_config
+    from areal.rollout.auth import api_key
+
+    seen = tmp_path / "argv.txt"
+    python = _fake_python(tmp_path, f'echo 0.4.9; echo "$@" > {seen}')
+    cfg = load_config(None, [
+        f"fileroot={tmp_path}", "inference.backend=sglang", f"inference.python={python}",
+        "inference.check_version=false", "model.path=/models/m",
+    ])  # fmt: skip
+    create_key(cfg.exp_dir)
+    save_config(cfg, cfg.exp_dir / "config.yaml")
+    cmd = [sys.executable, "-m", "areal.worker", "--role", "server", "--exp-dir", str(cfg.exp_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    args = seen.read_text().split()
+    assert args[:2] == ["-m", "sglang.launch_server"]
+    assert args[args.index("--api-key") + 1] == api_key(cfg.exp_dir)
+    assert api_key(cfg.exp_dir) not in proc.stdout  # the log shows *** instead
+    assert (cfg.exp_dir / "registry/server/0").exists()
+    # With the check on, the same interpreter is refused before anything is registered.
+    cfg.inference.check_version = True
+    save_config(cfg, cfg.exp_dir / "config.yaml")
+    (cfg.exp_dir / "registry/server/0").unlink()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 1 and "imports sglang 0.4.9" in proc.stderr
+    assert not (cfg.exp_dir / "registry/server/0").exists()
