@@ -182,7 +182,6 @@ class DecodeEngine:
             _as_ids(getattr(self.model.generation_config, "eos_token_id", None))
             | _as_ids(getattr(config, "eos_token_id", None))
         )
-        self._pad_id = next(iter(self.eos_ids), 0)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._kv = KVCache(self.model, 1)
         self.max_total_tokens = max_total_tokens or _auto_token_budget(

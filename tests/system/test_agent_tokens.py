@@ -360,7 +360,8 @@ def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
     # Nothing kept, the place in the gate free again, the prompt waiting to be generated.
     assert (c.gate.n_running, c.gate.n_accepted, c.gate.capacity()) == (0, 0, capacity)
     assert len(c.buffer) == 0 and c.buffer.n_in_flight == 0
-    assert c._retry == [row] and c._rows_in_flight == {}
+    # The row comes back as it was drawn: the dataset's row and its draw id.
+    assert c._retry == [{**row, "draw_id": 0}] and c._rows_in_flight == {}
     stats = c.episodes.stats()
     assert stats[f"rollout/episodes_{counter}"] == 2
     assert needle in caplog.text

@@ -116,7 +116,8 @@ def _children() -> set[int]:
                 stat = open(f"/proc/{entry.name}/stat").read()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == me and state != "Z":  # a killed process not yet reaped is no worker
                 found.add(int(entry.name))
     return found
 
@@ -131,7 +132,11 @@ def test_a_timeout_replaces_only_the_stuck_grading_process():
             before = _children()
             rewards = await s.grade("math", [HANG, r"\boxed{1}"], "1")
             await s.grade("math", [r"\boxed{1}", r"\boxed{1}"], "1")
-            return before, _children(), rewards, await s.stats()
+            # The replacement may still be starting on a loaded machine: wait for it.
+            deadline = time.monotonic() + 30
+            while len(after := _children()) != 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return before, after, rewards, await s.stats()
         finally:
             s.close()
 
