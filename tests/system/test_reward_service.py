@@ -125,22 +125,29 @@ def _children() -> set[int]:
 def test_a_timeout_replaces_only_the_stuck_grading_process():
     """The other grading processes keep running: a timeout kills one process, not the pool."""
 
+    async def children_when(ok) -> set[int]:
+        # Processes start, die and are reaped at their own pace on a loaded machine.
+        deadline = time.monotonic() + 30
+        while not ok(found := _children()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return found
+
     async def go():
-        s = service(n_workers=2, timeout_s=1.5)
+        # A limit well above a normal grading's time on a loaded machine (its first one
+        # imports math-verify), so that only the hanging one is cut.
+        s = service(n_workers=2, timeout_s=6.0)
         try:
-            await s.grade("math", [r"\boxed{1}", r"\boxed{1}"], "1")  # both processes up
-            before = _children()
+            await s.grade("math", [r"\boxed{1}", r"\boxed{1}"], "1")
+            before = await children_when(lambda c: len(c) == 2)
             rewards = await s.grade("math", [HANG, r"\boxed{1}"], "1")
             await s.grade("math", [r"\boxed{1}", r"\boxed{1}"], "1")
-            # The replacement may still be starting on a loaded machine: wait for it.
-            deadline = time.monotonic() + 30
-            while len(after := _children()) != 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
+            after = await children_when(lambda c: len(before - c) == 1)
             return before, after, rewards, await s.stats()
         finally:
             s.close()
 
     before, after, rewards, counts = asyncio.run(go())
     assert rewards == [-5.0, 5.0] and counts["timeouts"] == 1
-    assert len(before) == len(after) == 2
-    assert len(before & after) == 1, (before, after)  # one kept, the stuck one replaced
+    assert len(before) == 2
+    # The stuck process is gone and the other one kept (a pool restart would replace both).
+    assert len(before - after) == 1 and len(before & after) == 1, (before, after)
