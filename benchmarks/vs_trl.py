@@ -30,13 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine import SHAPES  # the same model shapes and new-token counts
+
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {
-    "145k": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2), 32),
-    "4m": (dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                num_attention_heads=8, num_key_value_heads=4), 128),
-}  # fmt: skip
 PROMPTS, GROUP, LR, MAX_OPERAND = 8, 8, 1e-3, 5
 
 
