@@ -16,7 +16,7 @@ import math
 import statistics
 import tempfile
 
-from tiny_run import train_tiny
+from tiny_run import effective_throughput, train_tiny
 
 
 def time_to_target(metrics: list[dict], target: float, window: int = 10) -> float:
@@ -29,10 +29,8 @@ def time_to_target(metrics: list[dict], target: float, window: int = 10) -> floa
 def run(fileroot: str, name: str, steps: int, target: float, overrides: list[str]) -> dict:
     m = train_tiny(fileroot, name, steps, overrides)
     warm = len(m) // 5
-    tokens = sum(x["train/n_tokens"] for x in m[warm + 1 :])
-    seconds = m[-1]["time"] - m[warm]["time"]
     return {
-        "tokens_per_s": tokens / seconds,
+        "tokens_per_s": effective_throughput(m),
         "to_target_s": time_to_target(m, target),
         "wall_s": m[-1]["time"],
         "final_reward": statistics.mean(x["reward/mean"] for x in m[-warm:]),

@@ -13,13 +13,7 @@ import argparse
 import statistics
 import tempfile
 
-from tiny_run import train_tiny
-
-
-def tokens_per_s(m: list[dict]) -> float:
-    warm = len(m) // 5
-    tokens = sum(x["train/n_tokens"] for x in m[warm + 1 :])
-    return tokens / (m[-1]["time"] - m[warm]["time"])
+from tiny_run import effective_throughput, train_tiny
 
 
 def main() -> None:
@@ -35,7 +29,7 @@ def main() -> None:
             for name, extra in variants.items():  # interleaved: both see the same machine
                 tag = name.replace(" ", "_") + str(r)
                 m = train_tiny(root, tag, args.steps, [*extra, *args.overrides])
-                results[name].append(tokens_per_s(m))
+                results[name].append(effective_throughput(m))
                 print(f"  repeat {r}: {name}: {results[name][-1]:.1f} train tok/s", flush=True)
     med = {v: statistics.median(x) for v, x in results.items()}
     for v, x in med.items():

@@ -26,3 +26,11 @@ def train_tiny(fileroot: str, name: str, steps: int, overrides: list[str]) -> li
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     lines = (Path(fileroot) / "tiny" / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def effective_throughput(metrics: list[dict]) -> float:
+    """The paper's measure: tokens trained per second of wall time, the first fifth of the
+    steps (warm-up) left out. Each record needs "train/n_tokens" and "time" (its end)."""
+    warm = len(metrics) // 5
+    tokens = sum(x["train/n_tokens"] for x in metrics[warm + 1 :])
+    return tokens / (metrics[-1]["time"] - metrics[warm]["time"])

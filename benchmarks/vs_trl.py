@@ -9,9 +9,9 @@ prompts, same grader), 8 prompts x 8 samples per step, one optimizer step per st
 (areal: ppo.n_minibatches=1), temperature 1, no KL term, learning rate 1e-3.
 
 Effective training throughput, counted the same way for all: completion tokens that enter
-the update per second of wall time, over the steps after warm-up (the first fifth and at
-least 2 steps left out). TRL: its own per-step log (completions/mean_length x 64) and wall
-clock at each step's end; areal: metrics.jsonl (train/n_tokens, time). Each variant is its
+the update per second of wall time, over the steps after warm-up (the first fifth left
+out; tiny_run.effective_throughput). TRL: its own per-step log (completions/mean_length
+x 64) and wall clock at each step's end; areal: metrics.jsonl (train/n_tokens, time). Each variant is its
 own process on the same 2 cores (TRL with torch's default threads; areal's roles split the
 cores, inference.num_threads / trainer.num_threads = 0). Prints the table and the ratios
 areal/TRL at eta=0 and eta=4; with --repeats > 1, medians.
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from engine import SHAPES  # the same model shapes and new-token counts
+from tiny_run import effective_throughput
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, LR, MAX_OPERAND = 8, 8, 1e-3, 5
@@ -54,12 +55,6 @@ def make_model(shape: str, out: Path) -> Path:
     return out
 
 
-def effective_throughput(times: list[float], tokens: list[float]) -> float:
-    """tokens[i] trained in the step that ended at times[i]; warm-up steps left out."""
-    warm = max(2, len(times) // 5)
-    return sum(tokens[warm + 1 :]) / (times[-1] - times[warm])
-
-
 def run_areal(model: Path, new: int, eta: int, steps: int, root: str, name: str) -> float:
     cmd = [
         sys.executable, "-m", "areal.train", "--config", str(ROOT / "configs/tiny.yaml"),
@@ -72,9 +67,7 @@ def run_areal(model: Path, new: int, eta: int, steps: int, root: str, name: str)
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     lines = (Path(root) / "tiny" / name / "metrics.jsonl").read_text().splitlines()
     metrics = [json.loads(line) for line in lines]
-    return effective_throughput(
-        [m["time"] for m in metrics], [m["train/n_tokens"] for m in metrics]
-    )
+    return effective_throughput(metrics)
 
 
 def run_trl(model: Path, new: int, steps: int, out: str) -> float:
@@ -120,8 +113,8 @@ def trl_worker(model: str, new: int, steps: int, out: str) -> None:
         reward_funcs=reward, args=config, train_dataset=data, callbacks=[Clock()],
     )  # fmt: skip
     trainer.train()
-    times = [t for t, _ in marks]
-    print(effective_throughput(times, [length * PROMPTS * GROUP for _, length in marks]))
+    steps = [{"time": t, "train/n_tokens": length * PROMPTS * GROUP} for t, length in marks]
+    print(effective_throughput(steps))
 
 
 def main() -> None:
