@@ -12,9 +12,9 @@ Effective training throughput, counted the same way for all: completion tokens t
 the update per second of wall time, over the steps after warm-up (the first fifth left
 out; tiny_run.effective_throughput). TRL: its own per-step log (completions/mean_length
 x 64) and wall clock at each step's end; areal: metrics.jsonl (train/n_tokens, time).
-Each variant is its own process on the same 2 cores (TRL with torch's default threads; areal's roles split the
-cores, inference.num_threads / trainer.num_threads = 0). Prints the table and the ratios
-areal/TRL at eta=0 and eta=4; with --repeats > 1, medians.
+Each variant is its own process on the same 2 cores (TRL with torch's default threads;
+areal's roles split the cores, inference.num_threads / trainer.num_threads = 0). Prints
+the table and the ratios areal/TRL at eta=0 and eta=4; with --repeats > 1, medians.
 
 TRL is a benchmark dependency only: nothing in areal imports it.
 """
