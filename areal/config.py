@@ -95,24 +95,24 @@ class DatasetConfig(_Section):
     _section: ClassVar[str] = "dataset"
 
     type: str = "arith"
-    """Task: arith (synthetic sums, no file needed), math or code."""
+    """Task: arith (small sums) or longtail (repeated addition with long-tailed scratchpads), both made in code; or math or code, from dataset.path."""  # noqa: E501
     path: str = ""
     """Dataset file; required for math and code."""
     max_operand: int = 5
     """Largest operand of the arith task (sums of 0..5 are learnt by the tiny model in minutes)."""
     n_problems: int = 2000
-    """Number of arith problems generated."""
+    """Number of arith or longtail problems generated."""
     max_prompt_len: int = 1024
     """Prompts longer than this many tokens are dropped."""
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._one_of("type", ("arith", "math", "code"))
-        if self.type != "arith" and not self.path:
+        self._one_of("type", ("arith", "longtail", "math", "code"))
+        if self.type in ("math", "code") and not self.path:
             self._fail(
                 "path",
                 f"is required when dataset.type is {self.type!r}: set it to the "
-                "dataset file, or use dataset.type=arith",
+                "dataset file, or use dataset.type=arith or longtail",
             )
         self._positive("max_operand", "n_problems", "max_prompt_len")
 

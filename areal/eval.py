@@ -55,11 +55,13 @@ def infer_task(path: str) -> str:
 
 
 def load_problems(args) -> list[dict]:
-    from areal.data import arith
+    from areal.data import arith, longtail
     from areal.data.problems import load_file_rows
 
     if args.task == "arith":
         return arith.make_problems(args.max_problems or 32, args.max_operand, args.seed)
+    if args.task == "longtail":
+        return longtail.make_problems(args.max_problems or 32, args.seed)
     rows = load_file_rows(args.task, args.data)
     return rows[: args.max_problems] if args.max_problems else rows
 
@@ -117,7 +119,9 @@ def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(prog="python -m areal.eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model directory (tokenizer; and served)")
     p.add_argument("--data", help="JSON/JSONL/parquet file of math or code problems")
-    p.add_argument("--task", choices=("math", "code", "arith"), help="default: from the data")
+    p.add_argument(
+        "--task", choices=("math", "code", "arith", "longtail"), help="default: from the data"
+    )
     p.add_argument("--n-samples", type=int, default=32, help="samples per problem (n)")
     p.add_argument("--k", default="1,4,8,16,32", help="comma-separated k of pass@k (k <= n)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
@@ -141,8 +145,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="result JSON (default: eval_<data stem>.json here)")
     args = p.parse_args(argv)
-    if args.task != "arith" and not args.data:
-        p.error("--data is required (or --task arith for the synthetic task)")
+    if args.task not in ("arith", "longtail") and not args.data:
+        p.error("--data is required (or --task arith or longtail for a synthetic task)")
     if args.n_samples < 1 or args.max_new_tokens < 1 or not args.temperature > 0:
         p.error("--n-samples and --max-new-tokens must be >= 1 and --temperature > 0")
     args.ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"areal.eval: error: {e}", file=sys.stderr)
         return 2
-    output = Path(args.output or f"eval_{Path(args.data or 'arith').stem}.json")
+    output = Path(args.output or f"eval_{Path(args.data or args.task).stem}.json")
     args.server_proc = args.server_log = None
     url = args.server_url
     if url is None:

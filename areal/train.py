@@ -23,7 +23,7 @@ def prepare_experiment(cfg):
     from areal.comm.registry import create_key
     from areal.events import events_dir
 
-    if cfg.dataset.type != "arith":
+    if cfg.dataset.type in ("math", "code"):
         from areal.data.problems import load_file_rows
 
         # Every role must find the file whatever its working directory; a bad file is a
@@ -74,9 +74,11 @@ def prepare_experiment(cfg):
         from areal.models.tiny import make_tiny_model
 
         m = cfg.model
+        # Math and code runs without a model get the arith one: it knows digits and turns.
+        task = "longtail" if cfg.dataset.type == "longtail" else "arith"
         name = (
-            f"tiny-h{m.tiny_hidden}-l{m.tiny_layers}-w{m.tiny_warmup_steps}"
-            f"-m{cfg.dataset.max_operand}-s{cfg.seed}"
+            f"tiny-{task}-h{m.tiny_hidden}-l{m.tiny_layers}"
+            f"-w{m.tiny_warmup_steps}-m{cfg.dataset.max_operand}-s{cfg.seed}"
         )
         print(f"areal: using the tiny model {Path(cfg.fileroot) / 'models' / name}")
         cfg.model.path = str(
@@ -87,6 +89,7 @@ def prepare_experiment(cfg):
                 layers=m.tiny_layers,
                 warmup_steps=m.tiny_warmup_steps,
                 max_operand=cfg.dataset.max_operand,
+                task=task,
             )
         )
     if not (Path(cfg.model.path) / "config.json").is_file():

@@ -1,12 +1,13 @@
-"""Asynchronous (eta = 4) against synchronous (eta = 0) RL on the tiny config, one run each.
+"""Asynchronous (eta > 0) against synchronous (eta = 0) RL, the same config, run after run.
 
-    python benchmarks/async_vs_sync.py [--steps 60] [--repeats 1] [key=value ...]
+    python benchmarks/async_vs_sync.py [--config configs/tiny.yaml] [--eta 4] [--steps 100]
+        [--repeats 1] [--target-reward 0] [--png FILE] [key=value ...]
 
 Effective training throughput is the paper's: generated tokens consumed by PPO updates per
 second of wall time, after warm-up (the first fifth of the steps is left out). Time to
 target is the wall time at which the mean reward of the last 10 steps first reaches
 --target-reward (inf when never). Prints both variants side by side and the ratios last;
-with --repeats > 1, medians.
+with --repeats > 1, medians. --png draws reward against wall time, every run.
 """
 
 from __future__ import annotations
@@ -15,55 +16,93 @@ import argparse
 import math
 import statistics
 import tempfile
+from pathlib import Path
 
-from tiny_run import effective_throughput, train_tiny
+from tiny_run import TINY, effective_throughput, medians, train_tiny
+
+WINDOW = 10  # steps in the reward's moving mean
 
 
-def time_to_target(metrics: list[dict], target: float, window: int = 10) -> float:
-    for i in range(window, len(metrics) + 1):
-        if statistics.mean(x["reward/mean"] for x in metrics[i - window : i]) >= target:
-            return metrics[i - 1]["time"]
+def moving_reward(metrics: list[dict]) -> list[float]:
+    rewards = [x["reward/mean"] for x in metrics]
+    return [statistics.mean(rewards[max(0, i + 1 - WINDOW) : i + 1]) for i in range(len(rewards))]
+
+
+def time_to_target(metrics: list[dict], target: float) -> float:
+    for i, reward in enumerate(moving_reward(metrics)):
+        if i + 1 >= WINDOW and reward >= target:
+            return metrics[i]["time"]
     return math.inf
 
 
-def run(fileroot: str, name: str, steps: int, target: float, overrides: list[str]) -> dict:
-    m = train_tiny(fileroot, name, steps, overrides)
+def summary(m: list[dict], target: float) -> dict:
     warm = len(m) // 5
     return {
         "tokens_per_s": effective_throughput(m),
         "to_target_s": time_to_target(m, target),
         "wall_s": m[-1]["time"],
         "final_reward": statistics.mean(x["reward/mean"] for x in m[-warm:]),
+        "staleness": statistics.mean(x["staleness/mean"] for x in m),
     }
+
+
+def plot(runs: dict[str, list[list[dict]]], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for color, (name, ms) in zip(("tab:blue", "tab:orange"), runs.items(), strict=False):
+        for r, m in enumerate(ms):
+            label = name if r == 0 else None
+            ax.plot([x["time"] for x in m], moving_reward(m), color=color, label=label, lw=1.2)
+    ax.axhline(target, color="grey", ls="--", lw=0.8, label=f"target {target:+.1f}")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel(f"reward (mean of the last {WINDOW} steps)")
+    ax.set_title("Asynchronous against synchronous RL")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=TINY)
+    parser.add_argument("--eta", type=int, default=4, help="max_staleness of the async run")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--target-reward", type=float, default=0.0)
+    parser.add_argument("--png", type=Path, help="reward against wall time, every run")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
     args = parser.parse_args()
-    variants = {"async eta=4": ["max_staleness=4"], "sync eta=0": ["max_staleness=0"]}
-    results: dict[str, list[dict]] = {v: [] for v in variants}
+    variants = {
+        f"async eta={args.eta}": [f"max_staleness={args.eta}"],
+        "sync eta=0": ["max_staleness=0"],
+    }
+    runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as root:
         for r in range(args.repeats):
             for name, extra in variants.items():  # interleaved: both see the same machine
                 tag = name.split()[0] + str(r)
-                overrides = [*extra, *args.overrides]
-                results[name].append(run(root, tag, args.steps, args.target_reward, overrides))
-                print(f"  repeat {r}: {name}: {results[name][-1]}", flush=True)
-    med = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in results.items()}
+                m = train_tiny(root, tag, args.steps, [*extra, *args.overrides], args.config)
+                runs[name].append(m)
+                print(f"  repeat {r}: {name}: {summary(m, args.target_reward)}", flush=True)
+    med = medians({v: [summary(m, args.target_reward) for m in ms] for v, ms in runs.items()})
     print(
         f"{'variant':<12} {'train tok/s':>12} {'wall s':>8} "
-        f"{'s to reward ' + format(args.target_reward, '+.1f'):>17} {'final reward':>13}"
+        f"{'s to reward ' + format(args.target_reward, '+.1f'):>17} {'final reward':>13} "
+        f"{'staleness':>10}"
     )
     for v, m in med.items():
         print(
             f"{v:<12} {m['tokens_per_s']:>12.1f} {m['wall_s']:>8.1f} {m['to_target_s']:>17.1f} "
-            f"{m['final_reward']:>+13.2f}"
+            f"{m['final_reward']:>+13.2f} {m['staleness']:>10.2f}"
         )
-    a, s = med["async eta=4"], med["sync eta=0"]
+    if args.png:
+        plot(runs, args.target_reward, args.png)
+    a, s = med[f"async eta={args.eta}"], med["sync eta=0"]
     print(
         f"sync/async wall time to reward {args.target_reward:+.1f}: "
         f"{s['to_target_s'] / a['to_target_s']:.2f}x"

@@ -12,6 +12,13 @@ and admits nothing meanwhile, so the batch drains while the longest sample ends.
 
 Generation throughput is the server's generated tokens per second of the window. Prints
 both variants side by side (medians over --repeats, interleaved) and their ratio last.
+
+    python benchmarks/interruptible.py --config configs/tiny_longtail.yaml [--steps 100]
+
+The same comparison during whole training runs of a config (rollout.interruptible true
+against false): generation throughput is the controller's generated tokens per second of
+wall time (rollout/tokens_per_s weighted by each step's duration), after warm-up (the
+first fifth of the steps), next to the effective training throughput.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from tiny_run import effective_throughput, medians, train_tiny
 
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
 from areal.rollout.launch import start_embedded_server
@@ -91,6 +100,45 @@ async def run(args, url: str, versions: list[Path]) -> dict[str, list[float]]:
     return results
 
 
+def generation_throughput(m: list[dict]) -> float:
+    """Tokens generated per second of wall time after warm-up (each step's
+    rollout/tokens_per_s covers the time since the step before)."""
+    warm = len(m) // 5
+    pairs = zip(m[warm:-1], m[warm + 1 :], strict=True)
+    tokens = sum(x["rollout/tokens_per_s"] * (x["time"] - p["time"]) for p, x in pairs)
+    return tokens / (m[-1]["time"] - m[warm]["time"])
+
+
+def compare_runs(args) -> dict[str, float]:
+    """Training runs of args.config, interleaved; {variant: median generation tok/s}."""
+    results: dict[str, list[dict]] = {"interruptible": [], "non-interruptible": []}
+    with tempfile.TemporaryDirectory() as root:
+        for r in range(args.repeats):
+            for name in results:
+                flag = f"rollout.interruptible={name == 'interruptible'}".lower()
+                m = train_tiny(root, f"{name}{r}", args.steps, [flag], args.config)
+                results[name].append(
+                    {
+                        "generation": generation_throughput(m),
+                        "training": effective_throughput(m),
+                        "multi_version": sum(x["rollout/multi_version_samples"] for x in m),
+                        "staleness": statistics.mean(x["staleness/mean"] for x in m),
+                    }
+                )
+                print(f"  repeat {r}: {name:<18} {results[name][-1]}", flush=True)
+    med = medians(results)
+    print(
+        f"{'variant':<18} {'generation tok/s':>17} {'train tok/s':>12} "
+        f"{'multi-version samples':>22} {'staleness':>10}   (median of {args.repeats})"
+    )
+    for name, m in med.items():
+        print(
+            f"{name:<18} {m['generation']:>17.1f} {m['training']:>12.1f} "
+            f"{m['multi_version']:>22.0f} {m['staleness']:>10.2f}"
+        )
+    return {name: m["generation"] for name, m in med.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -100,7 +148,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--config", type=Path, help="compare training runs of this config")
+    parser.add_argument("--steps", type=int, default=100, help="with --config: steps a run")
     args = parser.parse_args()
+    if args.config:
+        med = compare_runs(args)
+        ratio = med["interruptible"] / med["non-interruptible"]
+        print(f"interruptible/non-interruptible generation throughput: {ratio:.2f}x")
+        return
     with tempfile.TemporaryDirectory() as root:
         v0 = make_tiny_model(Path(root) / "v0", warmup_steps=0)
         versions = [v0, Path(shutil.copytree(v0, Path(root) / "v1"))]

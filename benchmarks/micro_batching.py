@@ -1,9 +1,12 @@
 """Dynamic micro-batching (Algorithm 1, packed) against a fixed number of padded micro-batches.
 
     python benchmarks/micro_batching.py [--n-seqs 64] [--repeats 5] [--fixed-n-mbs 8]
+        [--lengths lognormal|longtail]
 
 One PPO minibatch update of the tiny model's trainer (TorchBackend) on a long-tailed
-(lognormal) distribution of sequence lengths, the same sequences for both variants:
+distribution of sequence lengths, the same sequences for both variants: lognormal, or
+--lengths longtail, the longtail task's own (areal/data/longtail.py: a ~20-token prompt and
+10 tokens a step, the steps Pareto-distributed).
 
 - dynamic: allocate_micro_batches under a token budget, each micro-batch one packed,
   padding-free stream (the trainer's own code path);
@@ -20,6 +23,7 @@ ratio, e.g. `1.42x`.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
@@ -28,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from areal.data import longtail
 from areal.models.tiny import make_tiny_model
 from areal.trainer.batching import allocate_micro_batches
 from areal.trainer.ppo import decoupled_ppo_loss
@@ -38,6 +43,11 @@ from areal.trainer.torch_backend import TorchBackend
 def lognormal_lengths(n: int, median: float, sigma: float, lo: int, hi: int, seed: int):
     rng = np.random.default_rng(seed)
     return np.clip(rng.lognormal(np.log(median), sigma, n), lo, hi).astype(int).tolist()
+
+
+def longtail_lengths(n: int, prompt_len: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [prompt_len + longtail.TOKENS_PER_STEP * longtail.draw_steps(rng) for _ in range(n)]
 
 
 def padded_logprobs(backend: TorchBackend, seqs) -> torch.Tensor:
@@ -89,6 +99,7 @@ def make_batch(backend, lens, prompt_len: int, budget: int, seed: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-seqs", type=int, default=64, help="sequences per minibatch")
+    parser.add_argument("--lengths", choices=("lognormal", "longtail"), default="lognormal")
     parser.add_argument("--median-len", type=float, default=48)
     parser.add_argument("--sigma", type=float, default=1.0, help="lognormal spread")
     parser.add_argument("--max-len", type=int, default=1024)
@@ -101,9 +112,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prompt_len = 16
-    lens = lognormal_lengths(
-        args.n_seqs, args.median_len, args.sigma, prompt_len + 2, args.max_len, seed=0
-    )
+    if args.lengths == "longtail":
+        prompt_len = 20
+        lens = longtail_lengths(args.n_seqs, prompt_len, seed=0)
+    else:
+        lens = lognormal_lengths(
+            args.n_seqs, args.median_len, args.sigma, prompt_len + 2, args.max_len, seed=0
+        )
     n_tokens = sum(lens)
 
     with tempfile.TemporaryDirectory() as tmp:

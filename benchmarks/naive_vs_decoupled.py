@@ -1,14 +1,16 @@
-"""Naive PPO against decoupled PPO with stale data: a miniature of the paper's ablation.
+"""Naive against decoupled PPO as staleness grows: a miniature of the paper's Table 2.
 
-    python benchmarks/naive_vs_decoupled.py [--steps 120] [--last 20] [--eta 4] [key=value ...]
+    python benchmarks/naive_vs_decoupled.py [--config configs/tiny.yaml] [--etas 4]
+        [--steps 120] [--last 20] [--seeds 1] [--png FILE] [key=value ...]
 
-Both variants train the tiny config with max_staleness=eta (default 4: the paper's row
-where naive PPO fell to 23.3 on AIME24 while decoupled PPO held 42.2); naive PPO is
-ppo.use_decoupled_loss=false, i.e. the behaviour policy stands in for the proximal one.
-Each runs as `python -m areal.train` in a temporary file root. Prints the final reward of
-each (mean reward/mean over the last --last steps of metrics.jsonl), the mean observed
-staleness, and on its last line the difference decoupled - naive. With --seeds > 1, one
-run per seed and variant, medians.
+For each eta in --etas, both variants train the config with max_staleness=eta; naive PPO
+is ppo.use_decoupled_loss=false, i.e. the behaviour policy stands in for the proximal one.
+(The paper, AIME24: at eta=4 naive PPO fell to 23.3 while decoupled PPO held 42.2.) Each
+runs as `python -m areal.train` in a temporary file root. Prints, per eta and variant, the
+final reward (mean reward/mean over the last --last steps of metrics.jsonl) and the
+staleness the trainer really saw (staleness/mean), then decoupled - naive per eta. With
+--seeds > 1, one run per seed, eta and variant, medians. --png draws the final reward
+against eta, one line per variant.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+from pathlib import Path
 
-from tiny_run import train_tiny
+from tiny_run import TINY, medians, train_tiny
 
 VARIANTS = {"naive": "ppo.use_decoupled_loss=false", "decoupled": "ppo.use_decoupled_loss=true"}
 
 
-def run(fileroot: str, name: str, steps: int, last: int, eta: int, overrides: list[str]) -> dict:
-    m = train_tiny(fileroot, name, steps, [f"max_staleness={eta}", *overrides])
+def summary(m: list[dict], last: int) -> dict:
     return {
         "first_reward": statistics.mean(x["reward/mean"] for x in m[:last]),
         "final_reward": statistics.mean(x["reward/mean"] for x in m[-last:]),
@@ -32,33 +34,69 @@ def run(fileroot: str, name: str, steps: int, last: int, eta: int, overrides: li
     }
 
 
+def plot(med: dict[int, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    etas = sorted(med)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for variant, marker in zip(VARIANTS, ("o", "s"), strict=True):
+        ax.plot(
+            [str(e) for e in etas],
+            [med[e][variant]["final_reward"] for e in etas],
+            marker=marker,
+            label=f"{variant} PPO",
+        )
+    first = statistics.mean(med[e][v]["first_reward"] for e in etas for v in VARIANTS)
+    ax.axhline(first, color="grey", ls="--", lw=0.8, label="reward at the start")
+    ax.set_xlabel("max staleness eta")
+    ax.set_ylabel("final reward")
+    ax.set_title("Naive against decoupled PPO as staleness grows")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=TINY)
+    parser.add_argument("--etas", type=int, nargs="+", default=[4], help="max_staleness values")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--last", type=int, default=20, help="steps averaged for the reward")
     parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--eta", type=int, default=4, help="max_staleness of both runs")
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
+    parser.add_argument("--png", type=Path, help="final reward against eta, per variant")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = parser.parse_args()
-    results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    med: dict[int, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as root:
-        for seed in range(1, args.seeds + 1):
-            for name, flag in VARIANTS.items():  # interleaved: both see the same machine
-                extra = [flag, f"seed={seed}", *args.overrides]
-                results[name].append(
-                    run(root, f"{name}{seed}", args.steps, args.last, args.eta, extra)
-                )
-    med = {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in results.items()}
+        for eta in args.etas:
+            results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+            for seed in range(1, args.seeds + 1):
+                for name, flag in VARIANTS.items():  # interleaved: both see the same machine
+                    extra = [f"max_staleness={eta}", flag, f"seed={seed}", *args.overrides]
+                    tag = f"{name}-eta{eta}-s{seed}"
+                    m = train_tiny(root, tag, args.steps, extra, args.config)
+                    results[name].append(summary(m, args.last))
+                    print(f"  eta={eta} seed={seed} {name}: {results[name][-1]}", flush=True)
+            med[eta] = medians(results)
     print(
-        f"{'variant':<10} {'first reward':>13} {'final reward':>13} {'staleness':>10} {'wall s':>7}"
+        f"{'eta':>4} {'variant':<10} {'first reward':>13} {'final reward':>13} "
+        f"{'staleness':>10} {'wall s':>7}"
     )
-    for v, m in med.items():
-        print(
-            f"{v:<10} {m['first_reward']:>+13.2f} {m['final_reward']:>+13.2f} "
-            f"{m['staleness']:>10.2f} {m['wall_s']:>7.1f}"
-        )
-    diff = med["decoupled"]["final_reward"] - med["naive"]["final_reward"]
-    print(f"final reward, decoupled - naive (eta={args.eta}): {diff:+.2f}")
+    for eta, by_variant in med.items():
+        for v, m in by_variant.items():
+            print(
+                f"{eta:>4} {v:<10} {m['first_reward']:>+13.2f} {m['final_reward']:>+13.2f} "
+                f"{m['staleness']:>10.2f} {m['wall_s']:>7.1f}"
+            )
+    if args.png:
+        plot(med, args.png)
+    for eta, by_variant in med.items():
+        diff = by_variant["decoupled"]["final_reward"] - by_variant["naive"]["final_reward"]
+        print(f"final reward, decoupled - naive (eta={eta}): {diff:+.2f}")
 
 
 if __name__ == "__main__":

@@ -1,30 +1,44 @@
-"""One tiny-config training run as a user starts it; the benchmarks compare such runs."""
+"""Training runs as a user starts them; the benchmarks compare such runs."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
+# The tiny models every benchmark run starts from, made once (a name says how it was made).
+MODELS = Path("/tmp/areal-benchmark-models")
+TINY = ROOT / "configs/tiny.yaml"
+LONGTAIL = ROOT / "configs/tiny_longtail.yaml"
 
 
-def train_tiny(fileroot: str, name: str, steps: int, overrides: list[str]) -> list[dict]:
-    """`python -m areal.train --config configs/tiny.yaml ...`; returns its metrics lines."""
+def train_tiny(
+    fileroot: str, name: str, steps: int, overrides: list[str], config: Path = TINY
+) -> list[dict]:
+    """`python -m areal.train --config CONFIG ...`; returns its metrics lines. The tiny
+    model is made by the first run that needs it, into MODELS, and shared."""
+    MODELS.mkdir(exist_ok=True)
+    if not (Path(fileroot) / "models").exists():
+        (Path(fileroot) / "models").symlink_to(MODELS, target_is_directory=True)
     cmd = [
         sys.executable,
         "-m",
         "areal.train",
         "--config",
-        str(ROOT / "configs/tiny.yaml"),
+        str(config),
         f"fileroot={fileroot}",
         f"trial_name={name}",
         f"total_train_steps={steps}",
         *overrides,
     ]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    lines = (Path(fileroot) / "tiny" / name / "metrics.jsonl").read_text().splitlines()
+    experiment = yaml.safe_load(Path(config).read_text())["experiment_name"]
+    lines = (Path(fileroot) / experiment / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
@@ -34,3 +48,8 @@ def effective_throughput(metrics: list[dict]) -> float:
     warm = len(metrics) // 5
     tokens = sum(x["train/n_tokens"] for x in metrics[warm + 1 :])
     return tokens / (metrics[-1]["time"] - metrics[warm]["time"])
+
+
+def medians(results: dict[str, list[dict]]) -> dict[str, dict]:
+    """{variant: [one dict of figures per repeat]} -> {variant: {figure: median}}."""
+    return {v: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for v, rs in results.items()}

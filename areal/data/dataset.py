@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 
-from areal.data import arith
+from areal.data import arith, longtail
 
 log = logging.getLogger("areal.data")
 
 
 def load_rows(dataset_cfg, seed: int) -> list[dict]:
-    """Rows {"prompt", "answer", "task"}: generated (arith) or read from dataset.path."""
+    """Rows {"prompt", "answer", "task"}: generated (arith, longtail) or read from dataset.path."""
     if dataset_cfg.type == "arith":
         return arith.make_problems(dataset_cfg.n_problems, dataset_cfg.max_operand, seed)
+    if dataset_cfg.type == "longtail":
+        return longtail.make_problems(dataset_cfg.n_problems, seed)
     from areal.data.problems import load_file_rows
 
     return load_file_rows(dataset_cfg.type, dataset_cfg.path)

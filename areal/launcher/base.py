@@ -230,4 +230,3 @@ class Launcher(abc.ABC):
             file=sys.stderr,
             flush=True,
         )
-

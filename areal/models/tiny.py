@@ -2,9 +2,9 @@
 
 `make_tiny_model(dir)` writes a directory that loads with transformers' Auto classes and
 with SGLang exactly like a real checkpoint (config.json, model.safetensors, tokenizer files,
-ChatML chat template). The model gets a short supervised warm-up on the arithmetic task so
-that it knows the answer format and a little arithmetic, as the paper's runs start from a
-distilled model; RL has to do the rest.
+ChatML chat template). The model gets a short supervised warm-up on its task (arith, or
+longtail's scratchpads) so that it knows the answer format and part of the arithmetic, as
+the paper's runs start from a distilled model; RL has to do the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from areal.data import longtail
 from areal.data.arith import make_problems
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -70,7 +71,7 @@ def tiny_config(tokenizer, hidden: int = 64, layers: int = 2) -> Qwen2Config:
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,  # the longtail task's answers run to ~520 tokens
         rope_theta=10000.0,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
@@ -89,24 +90,48 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     )
 
 
-def _warm_up(model, tokenizer, steps: int, max_operand: int, seed: int) -> None:
-    """Supervised steps on the task; answers are sometimes replaced by a random number so
-    the model learns the format and only part of the arithmetic."""
+def _arith_batch(rng: random.Random, pool: list[dict], max_operand: int) -> list[tuple[str, str]]:
+    """Sums whose answer is replaced by a random number half of the time: the model learns
+    the format and only part of the arithmetic."""
+    rows = []
+    for p in rng.sample(pool, 64):
+        answer = p["answer"] if rng.random() < 0.5 else str(rng.randint(0, 2 * max_operand))
+        rows.append((p["prompt"], answer))
+    return rows
+
+
+def _longtail_batch(rng: random.Random) -> list[tuple[str, str]]:
+    """Repeated additions with a wrong step now and then (longtail.WARMUP_NOISE). One batch
+    has similar lengths (little padding); its length is the task's own heavy-tailed draw
+    or, as often as it takes to teach every counter and position, a uniform one."""
+    top = longtail.draw_steps(rng) if rng.random() < 0.7 else rng.randint(1, longtail.MAX_STEPS)
+    rows = []
+    for _ in range(32):
+        start, addend = rng.randint(0, longtail.MAX_START), rng.randint(1, longtail.MAX_ADDEND)
+        steps = rng.randint(max(1, top - 8), top)
+        pad = longtail.scratchpad(start, addend, steps, rng, longtail.WARMUP_NOISE)
+        rows.append((longtail.prompt_text(start, addend, steps), pad))
+    return rows
+
+
+def _warm_up(model, tokenizer, steps: int, task: str, max_operand: int, seed: int) -> None:
+    """Supervised steps on the task's worked answers, so that RL starts from a model that
+    knows the format, as the paper's runs start from a distilled model."""
     if steps <= 0:
         return
     rng = random.Random(seed + 1)
-    problems = make_problems(4096, max_operand, seed + 1)
+    pool = make_problems(4096, max_operand, seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     eos = tokenizer.eos_token_id
     model.train()
     for _ in range(steps):
+        rows = _arith_batch(rng, pool, max_operand) if task == "arith" else _longtail_batch(rng)
         seqs, masks = [], []
-        for p in rng.sample(problems, 64):
-            answer = p["answer"] if rng.random() < 0.5 else str(rng.randint(0, 2 * max_operand))
-            prompt_ids = chat_prompt_ids(tokenizer, p["prompt"])
-            answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [eos]
-            seqs.append(prompt_ids + answer_ids)
-            masks.append([0] * len(prompt_ids) + [1] * len(answer_ids))
+        for prompt, response in rows:
+            prompt_ids = chat_prompt_ids(tokenizer, prompt)
+            response_ids = tokenizer.encode(response, add_special_tokens=False) + [eos]
+            seqs.append(prompt_ids + response_ids)
+            masks.append([0] * len(prompt_ids) + [1] * len(response_ids))
         width = max(len(s) for s in seqs)
         ids = torch.tensor([s + [eos] * (width - len(s)) for s in seqs])
         mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
@@ -128,6 +153,7 @@ def make_tiny_model(
     layers: int = 2,
     warmup_steps: int = 200,
     max_operand: int = 20,
+    task: str = "arith",
 ) -> Path:
     """Write the tiny model directory (atomically: a half-written one never appears)."""
     out = Path(out_dir)
@@ -138,13 +164,15 @@ def make_tiny_model(
     tokenizer = build_tokenizer(seed)
     with torch.device("cpu"):
         model = Qwen2ForCausalLM(tiny_config(tokenizer, hidden, layers))
-    _warm_up(model, tokenizer, warmup_steps, max_operand, seed)
+    _warm_up(model, tokenizer, warmup_steps, task, max_operand, seed)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "areal_tiny.json").write_text(
-        json.dumps({"seed": seed, "warmup_steps": warmup_steps, "max_operand": max_operand})
+        json.dumps(
+            {"seed": seed, "warmup_steps": warmup_steps, "max_operand": max_operand, "task": task}
+        )
     )
     try:
         os.rename(tmp, out)

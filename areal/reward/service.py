@@ -20,15 +20,20 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from pebble import ProcessExpired, ProcessPool
 
-from areal.data import arith
+from areal.data import arith, longtail
 from areal.process import die_with_parent
 from areal.reward import code, math, sandbox
 
 log = logging.getLogger("areal.reward")
 
 # task -> is_correct(response, answer). The answer is whatever the dataset row holds
-# (msgpack-able): a string for arith and math, the unit tests for code.
-GRADERS = {"arith": arith.is_correct, "math": math.is_correct, "code": code.is_correct}
+# (msgpack-able): a string for arith, longtail and math, the unit tests for code.
+GRADERS = {
+    "arith": arith.is_correct,
+    "longtail": longtail.is_correct,
+    "math": math.is_correct,
+    "code": code.is_correct,
+}
 
 
 def grade_one(task: str, response: str, answer, options: dict) -> bool:

@@ -124,7 +124,7 @@ def test_empty_file_and_empty_section_mean_defaults(tmp_path: Path) -> None:
         (["rollout.top_k=0"], ["rollout.top_k must be -1 (off) or > 0"]),
         (["inference.startup_timeout_s=0"], ["inference.startup_timeout_s"]),
         (["max_staleness=-1"], ["max_staleness must be >= 0"]),
-        (["dataset.type=foo"], ["dataset.type must be one of arith, math, code", "'foo'"]),
+        (["dataset.type=foo"], ["dataset.type must be one of arith, longtail", "'foo'"]),
         (["dataset.type=math"], ["dataset.path is required", "'math'"]),
         (["trainer.backend=jax"], ["trainer.backend must be one of torch, megatron"]),
         (["inference.backend=vllm"], ["inference.backend must be one of embedded, sglang"]),
