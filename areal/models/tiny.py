@@ -71,7 +71,7 @@ def tiny_config(tokenizer, hidden: int = 64, layers: int = 2) -> Qwen2Config:
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,  # the longtail task's answers run to ~520 tokens
+        max_position_embeddings=1024,  # longtail: a ~20-token prompt, answers up to 500
         rope_theta=10000.0,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
@@ -156,6 +156,8 @@ def make_tiny_model(
     task: str = "arith",
 ) -> Path:
     """Write the tiny model directory (atomically: a half-written one never appears)."""
+    if task not in ("arith", "longtail"):
+        raise ValueError(f"task must be arith or longtail, got {task!r}")
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
