@@ -55,13 +55,11 @@ def infer_task(path: str) -> str:
 
 
 def load_problems(args) -> list[dict]:
-    from areal.data import arith, longtail
+    from areal.data.dataset import SYNTHETIC, synthetic_rows
     from areal.data.problems import load_file_rows
 
-    if args.task == "arith":
-        return arith.make_problems(args.max_problems or 32, args.max_operand, args.seed)
-    if args.task == "longtail":
-        return longtail.make_problems(args.max_problems or 32, args.seed)
+    if args.task in SYNTHETIC:
+        return synthetic_rows(args.task, args.max_problems or 32, args.max_operand, args.seed)
     rows = load_file_rows(args.task, args.data)
     return rows[: args.max_problems] if args.max_problems else rows
 
@@ -145,7 +143,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="result JSON (default: eval_<data stem>.json here)")
     args = p.parse_args(argv)
-    if args.task not in ("arith", "longtail") and not args.data:
+    from areal.data.dataset import SYNTHETIC
+
+    if args.task not in SYNTHETIC and not args.data:
         p.error("--data is required (or --task arith or longtail for a synthetic task)")
     if args.n_samples < 1 or args.max_new_tokens < 1 or not args.temperature > 0:
         p.error("--n-samples and --max-new-tokens must be >= 1 and --temperature > 0")

@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # The tiny models every benchmark run starts from, made once (a name says how it was made).
 MODELS = Path("/tmp/areal-benchmark-models")
 TINY = ROOT / "configs/tiny.yaml"
-LONGTAIL = ROOT / "configs/tiny_longtail.yaml"
 
 
 def train_tiny(

@@ -22,7 +22,6 @@ TRL is a benchmark dependency only: nothing in areal imports it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -31,9 +30,8 @@ import time
 from pathlib import Path
 
 from engine import SHAPES  # the same model shapes and new-token counts
-from tiny_run import effective_throughput
+from tiny_run import effective_throughput, train_tiny
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, LR, MAX_OPERAND = 8, 8, 1e-3, 5
 
 
@@ -56,18 +54,13 @@ def make_model(shape: str, out: Path) -> Path:
 
 
 def run_areal(model: Path, new: int, eta: int, steps: int, root: str, name: str) -> float:
-    cmd = [
-        sys.executable, "-m", "areal.train", "--config", str(ROOT / "configs/tiny.yaml"),
-        f"fileroot={root}", f"trial_name={name}", f"total_train_steps={steps}",
+    overrides = [
         f"model.path={model}", f"max_staleness={eta}", f"rollout.max_new_tokens={new}",
         f"rollout.group_size={GROUP}", f"trainer.batch_size={PROMPTS}",
         f"dataset.max_operand={MAX_OPERAND}", "ppo.n_minibatches=1", f"trainer.lr={LR}",
         "trainer.warmup_steps_ratio=0", "trainer.mb_spec.max_tokens_per_mb=8192",
     ]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    lines = (Path(root) / "tiny" / name / "metrics.jsonl").read_text().splitlines()
-    metrics = [json.loads(line) for line in lines]
-    return effective_throughput(metrics)
+    return effective_throughput(train_tiny(root, name, steps, overrides))
 
 
 def run_trl(model: Path, new: int, steps: int, out: str) -> float:

@@ -9,12 +9,22 @@ from areal.data import arith, longtail
 log = logging.getLogger("areal.data")
 
 
+SYNTHETIC = ("arith", "longtail")  # tasks made in code, no file
+
+
+def synthetic_rows(task: str, n: int, max_operand: int, seed: int) -> list[dict]:
+    """n rows of a task in SYNTHETIC (max_operand: arith only)."""
+    if task == "arith":
+        return arith.make_problems(n, max_operand, seed)
+    return longtail.make_problems(n, seed)
+
+
 def load_rows(dataset_cfg, seed: int) -> list[dict]:
-    """Rows {"prompt", "answer", "task"}: generated (arith, longtail) or read from dataset.path."""
-    if dataset_cfg.type == "arith":
-        return arith.make_problems(dataset_cfg.n_problems, dataset_cfg.max_operand, seed)
-    if dataset_cfg.type == "longtail":
-        return longtail.make_problems(dataset_cfg.n_problems, seed)
+    """Rows {"prompt", "answer", "task"}: generated (SYNTHETIC) or read from dataset.path."""
+    if dataset_cfg.type in SYNTHETIC:
+        return synthetic_rows(
+            dataset_cfg.type, dataset_cfg.n_problems, dataset_cfg.max_operand, seed
+        )
     from areal.data.problems import load_file_rows
 
     return load_file_rows(dataset_cfg.type, dataset_cfg.path)
