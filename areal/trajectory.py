@@ -12,7 +12,7 @@ they change neither the loss nor the sample's staleness.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -56,7 +56,9 @@ class Trajectory:
         self.versions += [version] * len(ids)
 
     def to_wire(self) -> dict:
-        d = asdict(self)
+        # Not dataclasses.asdict: it deep-copies every token list only for them to be
+        # replaced by arrays (a tenth of the controller's time per batch).
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["prompt_ids"] = np.asarray(self.prompt_ids, dtype=np.int32)
         d["output_ids"] = np.asarray(self.output_ids, dtype=np.int32)
         d["logprobs"] = np.asarray(self.logprobs, dtype=np.float32)

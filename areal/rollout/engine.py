@@ -438,16 +438,20 @@ class DecodeEngine:
         return None
 
     def _place(self, batch: list[_Request], stale: bool) -> list[_Request]:
-        """Give the batch cache rows 0..n-1, in row order: the requests that keep their row
-        are compacted to the front (in order, so no row is overwritten before it moved), new
+        """Give the batch cache rows 0..n-1: the requests that keep their row stay below
+        len(kept), those above it fill the holes the leavers left (one batched copy), new
         ones follow. After a weight update (stale) no cached row is valid any more."""
         members = set(batch)
         kept = [r for r in self._rows if r in members]
         kept_set = set(kept)
-        for row, req in enumerate(kept):
-            if req.row != row:
-                self._kv.move(req.row, row)
-                req.row = row
+        movers = [r for r in kept if r.row >= len(kept)]
+        holes = sorted(set(range(len(kept))) - {r.row for r in kept})
+        if not stale:  # stale rows are prefilled again: nothing worth copying
+            self._kv.move([r.row for r in movers], holes)
+        for req, row in zip(movers, holes, strict=True):
+            req.row = row
+        kept.sort(key=lambda r: r.row)
+        for req in kept:
             req.cached = req.cached and not stale
         new = [r for r in batch if r not in kept_set]
         for row, req in enumerate(new, start=len(kept)):

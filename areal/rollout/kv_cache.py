@@ -4,7 +4,7 @@
  rows 0..n-1 of the cache = the engine's running requests, in row order
    prefill(row, tokens)   tokens -> K/V written at [0, len) of that row (causal SDPA)
    decode(tokens)         one token per row at position len(row): K/V appended, logits out
-   move(src, dst)         compaction when a request leaves, so rows stay 0..n-1
+   move(srcs, dsts)       compaction when requests leave, so rows stay 0..n-1
 ```
 
 The layers are the model's own modules (projections, norms, rotary embedding, MLP), called
@@ -91,12 +91,19 @@ class KVCache:
         self._alloc(rows, cap)
 
     @torch.no_grad()
-    def move(self, src: int, dst: int) -> None:
-        """Copy row src's cache into row dst (src keeps its copy until overwritten)."""
-        n = self.lens[src]
+    def move(self, srcs: list[int], dsts: list[int]) -> None:
+        """Copy rows srcs[i] into rows dsts[i], one indexed copy per cache tensor (a step
+        where many requests leave costs 2 x layers copies, not that per moved row). No dst
+        may be a src: the copies read every src before writing."""
+        if not srcs:
+            return
+        assert not set(srcs) & set(dsts), (srcs, dsts)
+        n = max(self.lens[s] for s in srcs)
+        src, dst = torch.tensor(srcs, device=self.device), torch.tensor(dsts, device=self.device)
         for cache in (*self._k, *self._v):
             cache[dst, :, :n] = cache[src, :, :n]
-        self.lens[dst] = n
+        for s, d in zip(srcs, dsts, strict=True):
+            self.lens[d] = self.lens[s]
 
     def reset(self, row: int) -> None:
         self.lens[row] = 0

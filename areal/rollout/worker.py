@@ -1,19 +1,20 @@
 """The rollout worker: one per inference server, between the controller and that server.
 
-    controller --generate(group)--------> worker --POST /generate x G--> inference server
+    controller --generate(group)--------> worker --POST /generate [G]--> inference server
                <--- G trajectories ------        <-- output | abort (weight update) --
     controller --update_weights(v, dir)-> worker --pause / update_weights_from_disk / continue
     controller --wait_ready------------->  (answers once a dead server is back, on the latest v)
 
 | loop              | waits for                      | unblocked by                          |
 |-------------------|--------------------------------|---------------------------------------|
-| one sample        | the server's /generate answer  | finish (stop/length) or an abort      |
-| resumed sample    | the server to continue         | the weight update finishing           |
+| a group's samples | the server's /generate answer  | each finishing (stop/length) or abort |
+| resumed samples   | the server to continue         | the weight update finishing           |
 | weight update     | the server to pause and load   | /update_weights_from_disk answering   |
 | recovery          | the restarted server's /health | the launcher restarting it; deadline  |
 
 Interruptible (the paper): an update aborts in-flight generations; each comes back with its
-partial output, and is resubmitted as prompt + partial output, which the paused server
+partial output, and is resubmitted as prompt + partial output (a group's unfinished samples
+in one batched /generate, as its first request was), which the paused server
 holds until it has loaded the new weights. Its tokens keep the behaviour log-prob and the
 version of the weights that produced them. Non-interruptible (the paper's ablation): the
 update stops new submissions and waits for the in-flight ones to finish.
@@ -107,47 +108,56 @@ class RolloutWorker:
                            start_version=start_version, t_start=time.time())
                 for _ in range(n)
             ]  # fmt: skip
-        await asyncio.gather(*(self._sample(t, sampling_params) for t in trajs))
+        await self._sample(trajs, sampling_params)
         return [t.to_wire() for t in trajs]
 
-    async def _sample(self, traj: Trajectory, sampling_params: dict) -> None:
-        """Generate into traj until it finishes, or the server is down."""
+    async def _sample(self, trajs: list[Trajectory], sampling_params: dict) -> None:
+        """Generate into trajs until each finishes, or the server is down. The unfinished
+        ones go to the server as one batched /generate (one HTTP round trip per group, not
+        per sample); the aborted ones are resubmitted together."""
         max_new = int(sampling_params["max_new_tokens"])
-        rid = uuid.uuid4().hex
+        rids = {id(t): uuid.uuid4().hex for t in trajs}  # a resumed sample keeps its rid
+        todo = [t for t in trajs if not t.finish_reason]
         for _ in range(_MAX_RESUMES):
+            if not todo:
+                return
             await self._open.wait()
             if not self._alive.is_set():
                 return
-            self._in_flight += 1
+            self._in_flight += len(todo)
             self._idle.clear()
             try:
-                out = await self.client.generate(
-                    traj.prompt_ids + traj.output_ids,
-                    {**sampling_params, "max_new_tokens": max_new - len(traj.output_ids)},
-                    rid=rid,
-                )
+                outs = await self.client.generate_batch(
+                    [t.prompt_ids + t.output_ids for t in todo],
+                    [{**sampling_params, "max_new_tokens": max_new - len(t.output_ids)}
+                     for t in todo],
+                    [rids[id(t)] for t in todo],
+                )  # fmt: skip
             except ServerDied as e:
                 self._server_down(str(e))
                 return
             finally:
-                self._in_flight -= 1
+                self._in_flight -= len(todo)
                 if self._in_flight == 0:
                     self._idle.set()
-            traj.extend(out.output_ids, out.logprobs, out.weight_version)
-            if out.finish_reason != "abort":
-                traj.finish_reason = out.finish_reason
-                break
-            if len(traj.output_ids) >= max_new:
-                traj.finish_reason = "length"
-                break
-            traj.n_interrupts += 1
-            self.n_interrupted += 1
-        else:
-            raise RuntimeError(
-                f"request {rid} was aborted {_MAX_RESUMES} times: something other than weight "
-                "updates is aborting requests on the inference server"
-            )
-        traj.t_end = time.time()
+            aborted = []
+            for traj, out in zip(todo, outs, strict=True):
+                traj.extend(out.output_ids, out.logprobs, out.weight_version)
+                if out.finish_reason != "abort":
+                    traj.finish_reason = out.finish_reason
+                elif len(traj.output_ids) >= max_new:
+                    traj.finish_reason = "length"
+                else:
+                    traj.n_interrupts += 1
+                    self.n_interrupted += 1
+                    aborted.append(traj)
+                    continue
+                traj.t_end = time.time()
+            todo = aborted
+        raise RuntimeError(
+            f"requests {[rids[id(t)] for t in todo]} were aborted {_MAX_RESUMES} times: "
+            "something other than weight updates is aborting requests on the inference server"
+        )
 
     async def update_weights(self, version: int, path: str) -> dict:
         """Make the server generate with `version` from now on; {"version": what the

@@ -97,11 +97,11 @@ def _prompts(k: int, seed: int = 0) -> list[list[int]]:
 
 def test_cached_forward_equals_full_forward_across_row_moves(models):
     model = models["a"]
-    cache = KVCache(model, max_cells=4 * 64)
+    cache = KVCache(model, max_cells=6 * 64)
     g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 9, 1, 30)]
-    cache.ensure(4, 64)
-    cache.prefill([0, 1, 3], [seqs[0][:-1], seqs[1][:-1], seqs[3][:-1]])
+    seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 9, 1, 30, 7, 12)]
+    cache.ensure(6, 64)
+    cache.prefill([0, 1, 3, 4, 5], [seqs[i][:-1] for i in (0, 1, 3, 4, 5)])
     for step in range(12):
         logits = cache.decode([s[-1] for s in seqs])
         for row, s in enumerate(seqs):
@@ -110,10 +110,10 @@ def test_cached_forward_equals_full_forward_across_row_moves(models):
             assert torch.allclose(logits[row], ref, atol=ATOL)
         for s in seqs:
             s.append(int(torch.randint(0, 300, (1,), generator=g)))
-        if step == 4:  # row 1 leaves; the last row moves into its place
-            cache.move(3, 1)
-            seqs[1] = seqs.pop()
-            cache.ensure(3, 64)
+        if step == 4:  # rows 0 and 2 leave; the last two rows fill their places at once
+            cache.move([4, 5], [0, 2])
+            seqs = [seqs[4], seqs[1], seqs[5], seqs[3]]
+            cache.ensure(4, 64)
 
 
 def test_joins_and_leaves_keep_every_logprob_exact(engine, models):

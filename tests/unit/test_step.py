@@ -246,6 +246,32 @@ def test_every_minibatch_uses_the_proximal_logprobs_of_the_step_start(
             assert drift > 1e-3  # the first update moved theta, not prox
 
 
+@pytest.mark.parametrize("n_minibatches", [1, 2])
+def test_first_minibatch_forward_serves_as_the_proximal_pass(
+    model_dir, trajectories, n_minibatches
+) -> None:
+    """Without a cap the first minibatch's own forward gives its proximal log-probs: the
+    same update and statistics as a separate proximal pass (forced here by a cap no weight
+    reaches), one forward fewer for that minibatch's sequences."""
+    trajs = [
+        Trajectory(**{**vars(t), "versions": [3] * len(t.output_ids)})
+        for t in trajectories["perturbed"]
+    ]
+    common = dict(n_minibatches=n_minibatches, max_tokens_per_mb=SMALL_BUDGET, version=3)
+    reused, s_reused = run_step(model_dir, trajs, **common)
+    separate, s_separate = run_step(model_dir, trajs, behav_imp_weight_cap=1e30, **common)
+    forwards = lambda b: sum(len(call) for call in b.calls)  # noqa: E731
+    first = len(trajs) // n_minibatches
+    assert forwards(separate) - forwards(reused) == first
+    assert_same_update(reused, separate)
+    assert s_reused.keys() == s_separate.keys()
+    for key, value in s_separate.items():
+        assert s_reused[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert s_reused["train/fresh_tokens"] == sum(len(t.output_ids) for t in trajs)
+    largest = max(n.abs().max().item() for n in trajectories["noise"])
+    assert s_reused["train/fresh_logprob_diff_max"] == pytest.approx(largest, abs=1e-4)
+
+
 # ---------------------------------------------------------------- (d) naive == decoupled
 
 
