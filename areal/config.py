@@ -336,7 +336,8 @@ class TrainerConfig(_Section):
     warmup_steps_ratio: float = 0.001
     """Fraction of total_train_steps with linear lr warm-up."""
     num_threads: int = 0
-    """Torch threads of each trainer rank; 0 = its share of the node's cores."""
+    """Torch threads of each trainer rank; 0 = its share of the node's cores (shared with
+    the servers; at max_staleness=0, when they idle while it trains, with other ranks only)."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """Dynamic micro-batching."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -196,7 +196,7 @@ class RolloutWorker:
         log.info("loaded version %d in %.2fs", version, time.time() - t0)
 
     async def _pause_load_continue(self, version: int, path: str) -> None:
-        if self.interruptible:
+        if self.interruptible and self._in_flight:
             # Abort in-flight requests (they come back partial and are resubmitted) and
             # hold new ones until the new weights are loaded.
             try:  # a pause cut short (cancelled, timed out) must not leave it paused
@@ -205,6 +205,9 @@ class RolloutWorker:
             finally:
                 await self.client.continue_generation()
         else:
+            # Nothing to interrupt, or the ablation (let the in-flight ones finish): hold
+            # back new submissions and load into an idle server, one call instead of three
+            # (at max_staleness=0 every update finds the server idle).
             self._open.clear()
             try:
                 await self._idle.wait()

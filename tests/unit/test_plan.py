@@ -123,9 +123,22 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
         str(REPO / "configs/tiny.yaml"), ["rollout.n_servers=2", "trainer.parallel.dp=2"]
     )
     plan = make_plan(cfg, nodes(1), 0)
-    computing = [s for s in plan.steps if s.role in ("server", "trainer")]
+    computing_roles = ("server", "trainer")
+    computing = [s for s in plan.steps if s.role in computing_roles]
     assert len(computing) == 4 and {s.env[CPU_SHARE_ENV] for s in computing} == {"4"}
     assert all(CPU_SHARE_ENV not in s.env for s in plan.steps if s not in computing)
+    # Synchronous (eta=0): the servers idle while the trainer trains, so its ranks split the
+    # cores between themselves; the servers keep their share.
+    sync = make_plan(
+        load_config(
+            str(REPO / "configs/tiny.yaml"),
+            ["rollout.n_servers=2", "trainer.parallel.dp=2", "max_staleness=0"],
+        ),
+        nodes(1),
+        0,
+    )
+    shares = {(s.role, s.env.get(CPU_SHARE_ENV)) for s in sync.steps if s.role in computing_roles}
+    assert shares == {("server", "4"), ("trainer", "2")}
     # With GPUs a step computes on its own GPU: no share of the CPUs.
     gpu_cfg = load_config(str(REPO / "configs/math_1.5b.yaml"))
     assert all(CPU_SHARE_ENV not in s.env for s in make_plan(gpu_cfg, nodes(16), 8).steps)
