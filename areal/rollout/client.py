@@ -167,14 +167,14 @@ class SGLangClient:
     ) -> list[GenerateOutput]:
         """Several prompts in one /generate (SGLang's batch form): one HTTP round trip for
         a group instead of one per sample; each output as `generate` would return it."""
+        if not input_ids or any(not ids for ids in input_ids):
+            raise ValueError("input_ids must not be empty")
         body = build_generate_request(input_ids[0], sampling_params[0], rids[0])
         body.update(
             input_ids=[[int(t) for t in ids] for ids in input_ids],
             sampling_params=[dict(p) for p in sampling_params],
             rid=list(rids),
         )
-        if any(not ids for ids in input_ids):
-            raise ValueError("input_ids must not be empty")
         result = await self._call("POST", "/generate", body)
         if not isinstance(result, list) or len(result) != len(input_ids):
             raise ValueError(

@@ -2,6 +2,7 @@
 
 batch of B*G trajectories
   1) proximal log-probs: one no-grad forward with the weights at the start of the step
+     (without a behaviour-weight cap, the first minibatch's own forward gives its share)
   2) advantages: final reward, normalised over the batch (or per prompt group)
   3) for each of ppo.n_minibatches minibatches, in order:
        this rank's token-balanced share (all of it without data parallelism)

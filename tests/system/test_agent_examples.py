@@ -10,8 +10,10 @@ pytest.importorskip("openai")
 
 
 def test_multi_turn_arithmetic_learns(tmp_path):
-    """Answer, hear "wrong, try again", retry: the reward rises and fewer retries are needed."""
-    steps = 30
+    """Answer, hear "wrong, try again", retry: the reward rises and fewer retries are needed.
+    (45 steps: at 30 the rise of the best 10-step mean over the first 5 steps ranged from
+    1.0 to 2.9 across seeds and machine load; at 45, 2.1 to 2.9.)"""
+    steps = 45
     proc = run_train(
         tmp_path,
         f"total_train_steps={steps}",

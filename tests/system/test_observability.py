@@ -79,7 +79,7 @@ def test_every_role_records_its_spans(observed_run):
     spans = read_events(exp)
     kinds = {(e["role"], e["kind"]) for e in spans}
     for role, kind in [
-        ("server0", "generate"), ("server0", "pause"), ("server0", "load"),
+        ("server0", "generate"), ("server0", "load"),
         ("trainer0", "wait_batch"), ("trainer0", "proximal"), ("trainer0", "update"),
         ("trainer0", "publish"), ("trainer0", "checkpoint"), ("controller0", "update_weights"),
     ]:  # fmt: skip
@@ -91,10 +91,13 @@ def test_every_role_records_its_spans(observed_run):
     loaded = [e["version"] for e in spans if e["kind"] == "load"]
     assert loaded == sorted(loaded) and loaded[0] == 1
     assert all(e["end"] >= e["start"] for e in spans)
-    # A load happens inside the pause around it (interruptible updates).
-    pauses = [e for e in spans if e["kind"] == "pause"]
-    load = next(e for e in spans if e["kind"] == "load")
-    assert any(p["start"] <= load["start"] and load["end"] <= p["end"] for p in pauses)
+    # An update that finds requests in flight interrupts them, and loads inside the pause
+    # around it; one that finds the server idle (the tiny run's usual case: its rollouts
+    # outpace training up to the staleness bound) loads without one. (test_events: the
+    # server's pause spans themselves.)
+    loads = [e for e in spans if e["kind"] == "load"]
+    for pause in (e for e in spans if e["kind"] == "pause"):
+        assert any(pause["start"] <= x["start"] and x["end"] <= pause["end"] for x in loads)
 
 
 def test_role_logs_carry_time_and_version(observed_run):
