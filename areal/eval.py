@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from areal.config import ConfigError
+from areal.data.dataset import SYNTHETIC, synthetic_rows
 from areal.rollout.auth import API_KEY_ENV
 
 
@@ -55,7 +56,6 @@ def infer_task(path: str) -> str:
 
 
 def load_problems(args) -> list[dict]:
-    from areal.data.dataset import SYNTHETIC, synthetic_rows
     from areal.data.problems import load_file_rows
 
     if args.task in SYNTHETIC:
@@ -117,9 +117,7 @@ def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(prog="python -m areal.eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model directory (tokenizer; and served)")
     p.add_argument("--data", help="JSON/JSONL/parquet file of math or code problems")
-    p.add_argument(
-        "--task", choices=("math", "code", "arith", "longtail"), help="default: from the data"
-    )
+    p.add_argument("--task", choices=("math", "code", *SYNTHETIC), help="default: from the data")
     p.add_argument("--n-samples", type=int, default=32, help="samples per problem (n)")
     p.add_argument("--k", default="1,4,8,16,32", help="comma-separated k of pass@k (k <= n)")
     p.add_argument("--max-new-tokens", type=int, default=1024)
@@ -143,8 +141,6 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="result JSON (default: eval_<data stem>.json here)")
     args = p.parse_args(argv)
-    from areal.data.dataset import SYNTHETIC
-
     if args.task not in SYNTHETIC and not args.data:
         p.error("--data is required (or --task arith or longtail for a synthetic task)")
     if args.n_samples < 1 or args.max_new_tokens < 1 or not args.temperature > 0:

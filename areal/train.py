@@ -21,9 +21,10 @@ def prepare_experiment(cfg):
     """Make the experiment directory ready for a fresh or resumed run; resolve the model."""
     from areal.checkpoint import checkpoints_root, latest
     from areal.comm.registry import create_key
+    from areal.data.dataset import SYNTHETIC
     from areal.events import events_dir
 
-    if cfg.dataset.type in ("math", "code"):
+    if cfg.dataset.type not in SYNTHETIC:
         from areal.data.problems import load_file_rows
 
         # Every role must find the file whatever its working directory; a bad file is a
@@ -75,7 +76,7 @@ def prepare_experiment(cfg):
 
         m = cfg.model
         # Math and code runs without a model get the arith one: it knows digits and turns.
-        task = "longtail" if cfg.dataset.type == "longtail" else "arith"
+        task = cfg.dataset.type if cfg.dataset.type in SYNTHETIC else "arith"
         name = (
             f"tiny-{task}-h{m.tiny_hidden}-l{m.tiny_layers}"
             f"-w{m.tiny_warmup_steps}-m{cfg.dataset.max_operand}-s{cfg.seed}"

@@ -9,6 +9,7 @@ the paper's runs start from a distilled model; RL has to do the rest.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -22,6 +23,7 @@ from transformers.utils import logging as hf_logging
 
 from areal.data import longtail
 from areal.data.arith import make_problems
+from areal.data.dataset import SYNTHETIC
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -120,14 +122,17 @@ def _warm_up(model, tokenizer, steps: int, task: str, max_operand: int, seed: in
     if steps <= 0:
         return
     rng = random.Random(seed + 1)
-    pool = make_problems(4096, max_operand, seed + 1)
+    if task == "arith":
+        pool = make_problems(4096, max_operand, seed + 1)
+        batch = functools.partial(_arith_batch, rng, pool, max_operand)
+    else:
+        batch = functools.partial(_longtail_batch, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     eos = tokenizer.eos_token_id
     model.train()
     for _ in range(steps):
-        rows = _arith_batch(rng, pool, max_operand) if task == "arith" else _longtail_batch(rng)
         seqs, masks = [], []
-        for prompt, response in rows:
+        for prompt, response in batch():
             prompt_ids = chat_prompt_ids(tokenizer, prompt)
             response_ids = tokenizer.encode(response, add_special_tokens=False) + [eos]
             seqs.append(prompt_ids + response_ids)
@@ -156,8 +161,8 @@ def make_tiny_model(
     task: str = "arith",
 ) -> Path:
     """Write the tiny model directory (atomically: a half-written one never appears)."""
-    if task not in ("arith", "longtail"):
-        raise ValueError(f"task must be arith or longtail, got {task!r}")
+    if task not in SYNTHETIC:
+        raise ValueError(f"task must be one of {SYNTHETIC}, got {task!r}")
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
