@@ -73,23 +73,27 @@ LossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 def forward_backward_loop(
-    logprobs: Callable[[Sequence[Sequence[int]]], torch.Tensor],
+    logprobs: Callable[[Sequence[Sequence[int]], Sequence[int] | None], torch.Tensor],
     micro_batches: Sequence[Sequence[Sequence[int]]],
     loss_fn: LossFn | None = None,
+    starts: Sequence[Sequence[int]] | None = None,
 ) -> list:
     """The plain micro-batch loop behind `backend.forward_backward` (no pipeline stages).
 
     Without loss_fn (forward only): each micro-batch's log-prob stream, without gradients
     (float32, CPU). With loss_fn: log-probs -> loss_fn(k, log-probs of micro-batch k) ->
     (loss, stats) -> loss.backward(), gradients accumulating; returns each one's stats.
+    starts[k][i]: the first stream entry of micro-batch k's sequence i that the caller reads
+    (a backend may leave the entries before it 0).
     """
     results = []
     for k, seqs in enumerate(micro_batches):
+        first = starts[k] if starts is not None else None
         if loss_fn is None:
             with torch.no_grad():
-                results.append(logprobs(seqs).float().cpu())
+                results.append(logprobs(seqs, first).float().cpu())
             continue
-        loss, stats = loss_fn(k, logprobs(seqs))
+        loss, stats = loss_fn(k, logprobs(seqs, first))
         loss.backward()
         results.append(stats)
     return results

@@ -24,6 +24,7 @@ functions hand over to transformers' SDPA, so the model stays usable as any othe
 
 from __future__ import annotations
 
+import itertools
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -41,16 +42,23 @@ def causal_attention_per_sequence(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal SDPA of each sequence of a packed stream: q [1, H, T, D], k/v [1, H_kv, T, D]
-    -> [1, H, T, D]. lens are the sequence lengths in stream order (sum = T)."""
+    -> [1, H, T, D]. lens are the sequence lengths in stream order (sum = T).
+
+    Neighbours of equal length (answers cut at max_new_tokens, a group's equal prompts and
+    answers) share one batched call: a run of n sequences of length L is a [n, H, L, D] view
+    of its slice of the stream, no copy."""
     assert query.shape[0] == 1 and sum(lens) == query.shape[2], (query.shape, sum(lens))
+    runs = [(length, len(list(group))) for length, group in itertools.groupby(lens)]
+    sizes = [length * n for length, n in runs]
     # split (not slicing): its backward concatenates the pieces' gradients in one pass,
     # where n slices would each add a full-size zero gradient (n * T work).
-    parts = zip(query.split(lens, 2), key.split(lens, 2), value.split(lens, 2), strict=True)
+    parts = zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2), strict=True)
     gqa = query.shape[1] != key.shape[1]
-    out = [
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        for q, k, v in parts
-    ]
+    out = []
+    for (length, n), (q, k, v) in zip(runs, parts, strict=True):
+        q, k, v = (x[0].unflatten(1, (n, length)).transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        out.append(o.transpose(0, 1).flatten(1, 2)[None])  # [1, H, n * L, D]
     return torch.cat(out, 2)
 
 

@@ -95,11 +95,17 @@ def _micro_batches(seqs, idx: list[int], max_tokens_per_mb: int, min_n_mbs: int)
 
 
 @torch.no_grad()
-def proximal_logprobs(backend, seqs, max_tokens_per_mb: int) -> list[torch.Tensor]:
-    """Log-probs of every sequence under the current weights, one tensor per sequence."""
+def proximal_logprobs(
+    backend, seqs, max_tokens_per_mb: int, starts: list[int] | None = None
+) -> list[torch.Tensor]:
+    """Log-probs of every sequence under the current weights, one tensor per sequence
+    (entries before starts[i] may be 0)."""
     result: list[torch.Tensor | None] = [None] * len(seqs)
     mbs = _micro_batches(seqs, list(range(len(seqs))), max_tokens_per_mb, 1)
-    streams = backend.forward_backward([[seqs[i] for i in mb] for mb in mbs])  # forward only
+    streams = backend.forward_backward(  # forward only
+        [[seqs[i] for i in mb] for mb in mbs],
+        starts=None if starts is None else [[starts[i] for i in mb] for mb in mbs],
+    )
     for mb, stream in zip(mbs, streams, strict=True):
         for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
             result[i] = part
@@ -146,6 +152,8 @@ def train_step(
     dp = dp or DataParallel()
     seqs = [t.prompt_ids + t.output_ids for t in trajs]
     seqlens = [len(s) for s in seqs]
+    # The loss reads each stream from its first generated token's prediction on.
+    starts = [len(t.prompt_ids) - 1 for t in trajs]
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     group_ids = torch.tensor([t.group_id for t in trajs]) if adv_norm == "group" else None
     advantages = compute_advantages(rewards, group_ids)  # over the whole batch, on every rank
@@ -173,7 +181,9 @@ def train_step(
         rest = [i for i in mine if i not in first]
         if rest:
             with events.span("proximal", version=version):
-                logprobs = proximal_logprobs(backend, [seqs[i] for i in rest], max_tokens_per_mb)
+                logprobs = proximal_logprobs(
+                    backend, [seqs[i] for i in rest], max_tokens_per_mb, [starts[i] for i in rest]
+                )
             prox = dict(zip(rest, logprobs, strict=True))
     for i in mine:  # naive PPO, and the first minibatch until its forward: the behaviour's
         t = tokens[i]
@@ -228,7 +238,9 @@ def train_step(
             )
             return loss, {**mb_stats, **extra, "loss/ppo": loss.item() / n_minibatches}
 
-        for mb_stats in backend.forward_backward([[seqs[i] for i in mb] for mb in mbs], loss_fn):
+        for mb_stats in backend.forward_backward(
+            [[seqs[i] for i in mb] for mb in mbs], loss_fn, [[starts[i] for i in mb] for mb in mbs]
+        ):
             _accumulate(stats, mb_stats)
         # Clipping and the step come after the sum over ranks: every rank applies the same
         # update to the same weights.

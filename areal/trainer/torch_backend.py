@@ -77,33 +77,50 @@ class TorchBackend:
         if not self._packed_by_position:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-    def logprobs(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+    def logprobs(
+        self, seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Log-probs of every next token of every sequence, as one stream.
 
         For a sequence of length L the stream holds L-1 entries: entry t is
-        log p(token t+1 | tokens <= t) under logits / temperature.
+        log p(token t+1 | tokens <= t) under logits / temperature. With `starts`, entries
+        t < starts[i] are 0 and their logits are never computed: the update reads only
+        the predictions of generated tokens, and the prompt's logits (vocabulary-sized,
+        with their log-softmax, forward and backward) were most of a step's cost when
+        prompts are longer than answers (TRL's logits_to_keep does the same).
         """
         input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
-        input_ids = input_ids.to(self.device)
-        position_ids = position_ids.to(self.device)
+        lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+        # Per token: in the stream unless it is its sequence's last (that one predicts the
+        # next sequence's start); scored if also at or after its sequence's start.
+        in_stream = position_ids < torch.repeat_interleave(lens - 1, lens)
+        scored = in_stream
+        if starts is not None:
+            scored = in_stream & (position_ids >= torch.repeat_interleave(torch.tensor(starts), lens))
+        positions = scored.nonzero()[:, 0]
         # FA2 reads the boundaries from the position ids; packed_sdpa from cu_seq_lens_q.
         bounds = {} if self._packed_by_position else {"cu_seq_lens_q": cu_seqlens}
         logits = self.model(
-            input_ids=input_ids[None], position_ids=position_ids[None], **bounds
-        ).logits[0]  # [T, V]
+            input_ids=input_ids[None].to(self.device),
+            position_ids=position_ids[None].to(self.device),
+            logits_to_keep=positions.to(self.device),
+            **bounds,
+        ).logits[0]  # [scored, V]
         logits = logits.float() / self.temperature
-        labels = torch.roll(input_ids, -1)
+        labels = input_ids[positions + 1].to(self.device)
         token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, labels[:, None])[:, 0]
-        # Drop the last position of each sequence: it predicts the next sequence's start.
-        keep = torch.ones(len(input_ids), dtype=torch.bool, device=self.device)
-        keep[(cu_seqlens[1:] - 1).to(self.device)] = False
-        return token_logprobs[keep]
+        every = torch.zeros(len(input_ids), dtype=token_logprobs.dtype, device=self.device)
+        every = every.index_put((positions.to(self.device),), token_logprobs)
+        return every[in_stream.to(self.device)]
 
     def forward_backward(
-        self, micro_batches: Sequence[Sequence[Sequence[int]]], loss_fn: LossFn | None = None
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        loss_fn: LossFn | None = None,
+        starts: Sequence[Sequence[int]] | None = None,
     ) -> list:
         """The plain micro-batch loop (batching.forward_backward_loop) over self.logprobs."""
-        return forward_backward_loop(self.logprobs, micro_batches, loss_fn)
+        return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts)
 
     def reduce_grads(self, dp) -> None:
         """Sum gradients over the data-parallel ranks (a no-op without them)."""

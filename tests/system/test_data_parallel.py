@@ -91,10 +91,10 @@ class Recorder:
         real_logprobs, real_step = backend.logprobs, backend.optimizer_step
         real_equal = step_mod._equal_micro_batches
 
-        def logprobs(seqs):
+        def logprobs(seqs, starts=None):
             if torch.is_grad_enabled():  # the update's forwards, not the proximal one
                 self.seqs += [list(s) for s in seqs]
-            return real_logprobs(seqs)
+            return real_logprobs(seqs, starts)
 
         def optimizer_step():
             self.grads.append([p.grad.detach().clone() for p in backend.model.parameters()])

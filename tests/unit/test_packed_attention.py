@@ -42,7 +42,8 @@ def test_packed_logprobs_and_grads_equal_per_sequence_forwards(model_dir) -> Non
     assert backend.model.config._attn_implementation == ATTN_IMPLEMENTATION
     # The reference is transformers' own SDPA model, one sequence per forward.
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
-    lens = [700, 2, 45, 1, 3, 260, 9]  # very different lengths, a 1-token one included
+    # Very different lengths, a 1-token one, and runs of equal neighbours (one batched call).
+    lens = [700, 2, 45, 45, 45, 1, 3, 260, 9, 9]
     seqs = random_seqs(ref_model.config.vocab_size, lens)
     weights = torch.randn(sum(n - 1 for n in lens), generator=torch.Generator().manual_seed(1))
 
@@ -62,6 +63,27 @@ def test_packed_logprobs_and_grads_equal_per_sequence_forwards(model_dir) -> Non
     named_ref = dict(ref_model.named_parameters())
     for name, p in backend.model.named_parameters():
         torch.testing.assert_close(p.grad, named_ref[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_starts_skip_the_prompt_logits_and_change_nothing_after_them(model_dir) -> None:
+    """logprobs(seqs, starts): entries before starts[i] are 0, those after equal the full
+    stream's, and so do the gradients of a loss over them."""
+    lens, starts = [40, 7, 7, 25], [30, 0, 6, 3]
+    seqs = random_seqs(300, lens, seed=2)
+    scored = torch.cat([torch.arange(n - 1) >= s for n, s in zip(lens, starts)])
+    weights = torch.randn(int(scored.sum()), generator=torch.Generator().manual_seed(3))
+    streams, grads = [], []
+    for arg in (None, starts):
+        backend = make_backend(model_dir)
+        stream = backend.logprobs(seqs, arg)
+        (stream[scored] * weights).sum().backward()
+        streams.append(stream.detach())
+        grads.append([p.grad for p in backend.model.parameters()])
+    full, skipped = streams
+    assert (skipped[~scored] == 0).all()
+    torch.testing.assert_close(skipped[scored], full[scored], atol=1e-6, rtol=0)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
 
 
 def test_position_ids_alone_and_padding_masks_give_the_same_attention(model_dir) -> None:

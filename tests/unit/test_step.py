@@ -30,9 +30,9 @@ class RecordingBackend(TorchBackend):
         self.calls: list[list[list[int]]] = []
         self.grads: list[list[torch.Tensor]] = []
 
-    def logprobs(self, seqs):
+    def logprobs(self, seqs, starts=None):
         self.calls.append([list(s) for s in seqs])
-        return super().logprobs(seqs)
+        return super().logprobs(seqs, starts)
 
     def optimizer_step(self) -> float:
         self.grads.append([p.grad.detach().clone() for p in self.model.parameters()])

@@ -165,10 +165,14 @@ class MegatronBackend:
         return logits.masked_fill(pad, float("-inf"))
 
     def forward_backward(
-        self, micro_batches: Sequence[Sequence[Sequence[int]]], loss_fn: LossFn | None = None
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        loss_fn: LossFn | None = None,
+        starts: Sequence[Sequence[int]] | None = None,
     ) -> list:
         """batching.forward_backward_loop's contract (forward only without loss_fn), on
-        every rank; with pp > 1 through a pipeline schedule (see the module table)."""
+        every rank; with pp > 1 through a pipeline schedule (see the module table).
+        `starts` is ignored: the output layer computes the logits of every position."""
         if self.pp == 1:
             return forward_backward_loop(self.logprobs, micro_batches, loss_fn)
         if not micro_batches:  # the same on every stage of this pipeline: all skip
@@ -183,8 +187,11 @@ class MegatronBackend:
             results, micro_batches, loss_fn is None, self.device
         )
 
-    def logprobs(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Log-probs of every next token of every sequence, as one stream (L-1 per sequence)."""
+    def logprobs(
+        self, seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Log-probs of every next token of every sequence, as one stream (L-1 per sequence);
+        `starts` is ignored (see forward_backward)."""
         logits, input_ids = self._forward(seqs)
         return self._token_logprobs(logits[None], input_ids, seqs)
 
