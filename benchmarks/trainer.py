@@ -12,11 +12,12 @@ forward of a micro-batch differs:
 - packed: the backend as it is, one padding-free stream per micro-batch, attention per
   sequence (areal/trainer/packed_attention.py): cost ~ sum of L_i^2;
 - padded: the usual transformers way, the micro-batch right-padded to its longest
-  sequence with an attention mask (stock SDPA), cost ~ n * L_max (and n * L_max^2).
+  sequence with an attention mask (stock SDPA), cost ~ n * L_max (and n * L_max^2); like
+  packed, it computes no logits for prompt positions (TRL's logits_to_keep).
   First-fit micro-batches mix long and short sequences, where padding costs the most;
   benchmarks/micro_batching.py pads fixed-count micro-batches in data order instead;
 - dense (unless --no-dense): the former packed path, one stream with a dense block-diagonal
-  [T, T] mask, cost ~ T^2.
+  [T, T] mask, cost ~ T^2, and every position's logits.
 
 Tokens/s counts every token of the batch (prompt and output) per second of the whole step;
 medians over --repeats, the variants interleaved so that all see the same machine, after
@@ -61,17 +62,27 @@ class PaddedBackend(TorchBackend):
         super().__init__(*args, **kwargs)
         self.model.set_attn_implementation("sdpa")
 
-    def logprobs(self, seqs):
-        lens = [len(s) for s in seqs]
-        input_ids = torch.full((len(seqs), max(lens)), self.model.config.pad_token_id)
+    def logprobs(self, seqs, starts=None):
+        lens = torch.tensor([len(s) for s in seqs])
+        input_ids = torch.full((len(seqs), int(lens.max())), self.model.config.pad_token_id)
         attention_mask = torch.zeros_like(input_ids)
         for b, s in enumerate(seqs):
             input_ids[b, : len(s)] = torch.tensor(s)
             attention_mask[b, : len(s)] = 1
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        logits = logits[:, :-1].float() / self.temperature  # [B, L_max - 1, V]
-        token_lp = torch.log_softmax(logits, -1).gather(2, input_ids[:, 1:, None])[..., 0]
-        return torch.cat([token_lp[b, : n - 1] for b, n in enumerate(lens)])
+        # Like the packed backend, no logits before `starts` (TRL's logits_to_keep), so that
+        # only the layout differs.
+        pos = torch.arange(input_ids.shape[1])[None]
+        in_stream = pos < lens[:, None] - 1
+        first = torch.tensor(starts if starts is not None else [0] * len(seqs))
+        scored = in_stream & (pos >= first[:, None])  # [B, L_max]
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=scored
+        ).logits  # [scored, V]
+        labels = torch.roll(input_ids, -1, 1)[scored]
+        token_lp = torch.log_softmax(logits.float() / self.temperature, -1)
+        token_lp = token_lp.gather(1, labels[:, None])[:, 0]
+        every = torch.zeros(input_ids.shape, dtype=token_lp.dtype).index_put((scored,), token_lp)
+        return every[in_stream]
 
 
 class DenseMaskBackend(TorchBackend):
@@ -81,7 +92,7 @@ class DenseMaskBackend(TorchBackend):
         super().__init__(*args, **kwargs)
         self.model.set_attn_implementation("sdpa")
 
-    def logprobs(self, seqs):
+    def logprobs(self, seqs, starts=None):  # every position's logits, as it was
         lens = torch.tensor([len(s) for s in seqs])
         input_ids = torch.tensor([t for s in seqs for t in s])
         position_ids = torch.cat([torch.arange(n) for n in lens.tolist()])
