@@ -12,9 +12,9 @@
 2) Context: the cost of one decode step (KV-cached forward + sampling) with every row at
    context 16 against context 2,048, at --batch rows and at --context-batch rows (8), for
    the shapes above and Qwen2.5-0.5B's (--context-shapes). At 2,048 a step reads the whole
-   cache, K and V of every layer: for the 4m shape 8 KB a token (134 MB at 8 rows, 1 GB at
-   64) against 16 MB of weights, so memory traffic, not compute, sets its ratio; a real
-   model's weights outweigh its cache far more.
+   cache, K and V of every layer: for the 4m shape 4 KB a token (67 MB at 8 rows, 537 MB
+   at 64) against 17 MB of weights, so memory traffic, not compute, sets its ratio; a real
+   model's step spends far more on its weights' arithmetic.
 """
 
 from __future__ import annotations

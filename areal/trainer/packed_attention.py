@@ -25,6 +25,7 @@ functions hand over to transformers' SDPA, so the model stays usable as any othe
 from __future__ import annotations
 
 import itertools
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface

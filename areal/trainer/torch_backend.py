@@ -84,19 +84,18 @@ class TorchBackend:
 
         For a sequence of length L the stream holds L-1 entries: entry t is
         log p(token t+1 | tokens <= t) under logits / temperature. With `starts`, entries
-        t < starts[i] are 0 and their logits are never computed: the update reads only
-        the predictions of generated tokens, and the prompt's logits (vocabulary-sized,
-        with their log-softmax, forward and backward) were most of a step's cost when
-        prompts are longer than answers (TRL's logits_to_keep does the same).
+        t < starts[i] are 0 and their logits are never computed (TRL's logits_to_keep does
+        the same): the update reads only the predictions of generated tokens, and a logit
+        row is vocabulary-sized, with its log-softmax, forward and backward (a tenth of a
+        step of the 145k model with 25-token prompts and 32-token answers).
         """
         input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
         lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
         # Per token: in the stream unless it is its sequence's last (that one predicts the
         # next sequence's start); scored if also at or after its sequence's start.
         in_stream = position_ids < torch.repeat_interleave(lens - 1, lens)
-        scored = in_stream
-        if starts is not None:
-            scored = in_stream & (position_ids >= torch.repeat_interleave(torch.tensor(starts), lens))
+        first = torch.tensor(starts if starts is not None else [0] * len(seqs), dtype=torch.long)
+        scored = in_stream & (position_ids >= torch.repeat_interleave(first, lens))
         positions = scored.nonzero()[:, 0]
         # FA2 reads the boundaries from the position ids; packed_sdpa from cu_seq_lens_q.
         bounds = {} if self._packed_by_position else {"cu_seq_lens_q": cu_seqlens}

@@ -70,7 +70,7 @@ def test_starts_skip_the_prompt_logits_and_change_nothing_after_them(model_dir) 
     stream's, and so do the gradients of a loss over them."""
     lens, starts = [40, 7, 7, 25], [30, 0, 6, 3]
     seqs = random_seqs(300, lens, seed=2)
-    scored = torch.cat([torch.arange(n - 1) >= s for n, s in zip(lens, starts)])
+    scored = torch.cat([torch.arange(n - 1) >= s for n, s in zip(lens, starts, strict=True)])
     weights = torch.randn(int(scored.sum()), generator=torch.Generator().manual_seed(3))
     streams, grads = [], []
     for arg in (None, starts):
