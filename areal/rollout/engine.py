@@ -453,7 +453,12 @@ class DecodeEngine:
         kept.sort(key=lambda r: r.row)
         for req in kept:
             req.cached = req.cached and not stale
-        new = [r for r in batch if r not in kept_set]
+        # New rows are prefilled anyway: longest first, so that a decode step's attention
+        # chunks (KVCache._chunks) hold rows of similar lengths.
+        new = sorted(
+            (r for r in batch if r not in kept_set),
+            key=lambda r: -(len(r.prompt_ids) + len(r.output_ids)),
+        )
         for row, req in enumerate(new, start=len(kept)):
             req.row, req.cached = row, False
         self._rows = kept + new

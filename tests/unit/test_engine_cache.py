@@ -95,14 +95,18 @@ def _prompts(k: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1, 300, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_cached_forward_equals_full_forward_across_row_moves(models):
+@pytest.mark.parametrize("chunk_rows", [16, 2])  # one attention chunk; chunks of 2 rows
+def test_cached_forward_equals_full_forward_across_row_moves(models, chunk_rows):
     model = models["a"]
     cache = KVCache(model, max_cells=6 * 64)
+    cache.chunk_rows = chunk_rows
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (5, 9, 1, 30, 7, 12)]
     cache.ensure(6, 64)
     cache.prefill([0, 1, 3, 4, 5], [seqs[i][:-1] for i in (0, 1, 3, 4, 5)])
     for step in range(12):
+        if chunk_rows == 2:  # the lengths differ enough for chunks to pay
+            assert len(cache._chunks()) == len(seqs) // 2
         logits = cache.decode([s[-1] for s in seqs])
         for row, s in enumerate(seqs):
             with torch.no_grad():
