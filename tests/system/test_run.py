@@ -241,38 +241,49 @@ def test_resume_after_a_crash(tmp_path):
     """The launcher dies mid-run (its roles die with it); resume=true continues from the
     last checkpoint, retrains the lost steps once, and rebuilds the staleness counters."""
     exp_dir = tmp_path / "tiny/res"
-    common = ("trial_name=res", "trainer.save_freq_steps=4")
+    # Only the newest checkpoint is kept, and a run writes several a second: wait for any
+    # checkpoint with two steps after it (the next one comes four steps later).
+    common = ("trial_name=res", "trainer.save_freq_steps=6")
     with launched(tmp_path, "total_train_steps=100000", *common) as launcher:
         _wait_for(
-            lambda: (exp_dir / "checkpoints/v000004").exists() and len(read_metrics(exp_dir)) >= 6,
+            lambda: 0 < _newest_checkpoint(exp_dir) <= len(read_metrics(exp_dir)) - 2,
             300,
             "a checkpoint and two more steps",
         )
         launcher.kill()
         launcher.communicate()
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
-    lost = len(read_metrics(exp_dir)) - 4
-    proc = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)
+    saved = _newest_checkpoint(exp_dir)
+    lost = len(read_metrics(exp_dir)) - saved
+    total = saved + 4  # no checkpoint due before the last step's
+    steps = list(range(1, total + 1))
+    proc = run_train(tmp_path, f"total_train_steps={total}", "resume=true", *common)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout and lost >= 2
     metrics = read_metrics(exp_dir)
-    assert [m["step"] for m in metrics] == list(range(1, 11))
-    assert [m["version"] for m in metrics] == list(range(1, 11))
+    assert [m["step"] for m in metrics] == steps
+    assert [m["version"] for m in metrics] == steps
     assert all(m["staleness/max"] <= 4 for m in metrics)
-    assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == ["v000010"]
+    assert sorted(p.name for p in (exp_dir / "checkpoints").iterdir()) == [f"v{total:06d}"]
     # The per-sample lines are trimmed like the metrics; TensorBoard is rebuilt from them.
     batches = [json.loads(x) for x in (exp_dir / "batches.jsonl").read_text().splitlines()]
-    assert [b["step"] for b in batches] == list(range(1, 11))
+    assert [b["step"] for b in batches] == steps
     acc = EventAccumulator(str(exp_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, 11))
+    assert [e.step for e in acc.Scalars("reward/mean")] == steps
     # No draw from the dataset trained twice, none lost: trained, ready, or to be generated.
     trained = [d for m in metrics for d in m["batch/draw_ids"]]
-    assert len(trained) == len(set(trained)) == 10 * 16
-    state = unpack((exp_dir / "checkpoints/v000010/controller.msgpack").read_bytes())
+    assert len(trained) == len(set(trained)) == total * 16
+    state = unpack((exp_dir / f"checkpoints/v{total:06d}/controller.msgpack").read_bytes())
     ready = [g["group"][0]["draw_id"] for g in state["buffer"]["groups"]]
     retry = [row["draw_id"] for row in state["retry"]]
     assert sorted(trained + ready + retry) == list(range(state["pos"]))
     # Nothing left to do: a second resume exits at once.
-    again = run_train(tmp_path, "total_train_steps=10", "resume=true", *common)
-    assert again.returncode == 0 and "already has 10 of 10 steps" in again.stdout
+    again = run_train(tmp_path, f"total_train_steps={total}", "resume=true", *common)
+    assert again.returncode == 0 and f"already has {total} of {total} steps" in again.stdout
+
+
+def _newest_checkpoint(exp_dir: Path) -> int:
+    """The version of the newest complete checkpoint (0: none yet)."""
+    names = [p.name for p in (exp_dir / "checkpoints").glob("v[0-9]*")]
+    return max((int(n[1:]) for n in names if n[1:].isdigit()), default=0)
