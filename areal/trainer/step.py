@@ -94,6 +94,11 @@ def _micro_batches(seqs, idx: list[int], max_tokens_per_mb: int, min_n_mbs: int)
     ]
 
 
+def _pick(values: Sequence, mbs: list[list[int]]) -> list[list]:
+    """values[i] for the indices i of each micro-batch."""
+    return [[values[i] for i in mb] for mb in mbs]
+
+
 @torch.no_grad()
 def proximal_logprobs(
     backend, seqs, max_tokens_per_mb: int, starts: list[int] | None = None
@@ -103,8 +108,7 @@ def proximal_logprobs(
     result: list[torch.Tensor | None] = [None] * len(seqs)
     mbs = _micro_batches(seqs, list(range(len(seqs))), max_tokens_per_mb, 1)
     streams = backend.forward_backward(  # forward only
-        [[seqs[i] for i in mb] for mb in mbs],
-        starts=None if starts is None else [[starts[i] for i in mb] for mb in mbs],
+        _pick(seqs, mbs), starts=None if starts is None else _pick(starts, mbs)
     )
     for mb, stream in zip(mbs, streams, strict=True):
         for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
@@ -238,9 +242,7 @@ def train_step(
             )
             return loss, {**mb_stats, **extra, "loss/ppo": loss.item() / n_minibatches}
 
-        for mb_stats in backend.forward_backward(
-            [[seqs[i] for i in mb] for mb in mbs], loss_fn, [[starts[i] for i in mb] for mb in mbs]
-        ):
+        for mb_stats in backend.forward_backward(_pick(seqs, mbs), loss_fn, _pick(starts, mbs)):
             _accumulate(stats, mb_stats)
         # Clipping and the step come after the sum over ranks: every rank applies the same
         # update to the same weights.

@@ -15,6 +15,7 @@ import pytest
 import zmq
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from areal.checkpoint import latest
 from areal.comm.registry import Registry
 from areal.comm.wire import seal, unpack
 from tests.system.conftest import SHARED_MODELS_ENV
@@ -285,5 +286,5 @@ def test_resume_after_a_crash(tmp_path):
 
 def _newest_checkpoint(exp_dir: Path) -> int:
     """The version of the newest complete checkpoint (0: none yet)."""
-    names = [p.name for p in (exp_dir / "checkpoints").glob("v[0-9]*")]
-    return max((int(n[1:]) for n in names if n[1:].isdigit()), default=0)
+    found = latest(exp_dir)
+    return found.version if found else 0
