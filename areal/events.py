@@ -16,7 +16,8 @@ is about: the one loaded, published, or held while generating. Kinds, by role:
 | role          | kind             | span                                                        |
 |---------------|------------------|-------------------------------------------------------------|
 | server{k}     | generate         | requests in flight and not paused                           |
-|               | pause            | /pause_generation until /continue_generation                |
+|               | pause            | /pause_generation until /continue_generation, or an         |
+|               |                  | /update_weights_from_disk with abort_all_requests           |
 |               | load             | /update_weights_from_disk of `version`                      |
 | trainer{r}    | wait_batch       | asking for (rank 0) or receiving (ranks > 0) the next batch |
 |               | proximal         | the no-grad forward pass of the proximal log-probs          |

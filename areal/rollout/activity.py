@@ -4,7 +4,8 @@
     /pause_generation      -> paused        (ends the generate span, opens a pause span)
     /continue_generation   -> continued     (closes the pause span; generating again if
                                              requests are waiting)
-    /update_weights_from_disk -> loading(v) (a load span, inside the pause when interruptible)
+    /update_weights_from_disk -> loading(v) (a load span, inside the pause when interruptible;
+                                             abort_all_requests pauses around it itself)
 
 A server is "generating" while it holds at least one request and is not paused: one span
 from the first request in to the last out, not one per request, so a busy server records
@@ -52,10 +53,19 @@ class ServerActivity:
             self._generate_start = time.time()
 
     @contextlib.contextmanager
-    def loading(self, version: str | int | None) -> Iterator[None]:
-        # A non-interruptible update loads without a pause (its requests have drained).
-        with events.span("load", version=_as_int(version)):
-            yield
+    def loading(self, version: str | int | None, interrupting: bool = False) -> Iterator[None]:
+        """A load span. An interrupting load (abort_all_requests) pauses the server around
+        it, unless a /pause_generation already has; a non-interruptible one loads without a
+        pause (its requests have drained)."""
+        own_pause = interrupting and self._pause_start is None
+        if own_pause:
+            self.paused()
+        try:
+            with events.span("load", version=_as_int(version)):
+                yield
+        finally:
+            if own_pause:
+                self.continued()
 
     def _end_generate(self) -> None:
         if self._generate_start is not None:

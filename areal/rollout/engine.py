@@ -316,17 +316,21 @@ class DecodeEngine:
         Returns (success, message, num_paused_requests) like SGLang; a failure changes
         nothing. Without a pause this waits for the running requests to finish (new ones are
         not admitted meanwhile); while paused it applies at once and reports how many
-        requests it kept.
+        requests it kept. abort_all_requests aborts what runs first (an interruption in one
+        call); requests submitted until the load ends wait for the new weights.
         """
         try:
             tensors = _load_checked(self.model, model_path)
         except (OSError, ValueError) as e:
             return False, f"Failed to update weights from {model_path}: {e}", 0
-        if abort_all_requests:
-            self.abort(abort_all=True, message="Aborted by update_weights_from_disk.")
         with self._cv:
+            # Admit nothing from here on: a request resubmitted the moment its abort
+            # returns must wait for the new weights, or its tokens would carry the old ones.
             self._updates_pending += 1
-            try:
+        try:
+            if abort_all_requests:
+                self.abort(abort_all=True, message="Aborted by update_weights_from_disk.")
+            with self._cv:
                 while self._stepping or (self._pause_mode is None and self._running):
                     self._cv.wait()
                 state = self.model.state_dict()
@@ -338,7 +342,8 @@ class DecodeEngine:
                 if weight_version is not None:
                     self._weight_version = str(weight_version)
                 kept = len(self._running) + len(self._waiting) if self._pause_mode else 0
-            finally:
+        finally:
+            with self._cv:
                 self._updates_pending -= 1
                 self._cv.notify_all()
         message = "Succeeded to update model weights."

@@ -321,7 +321,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         raise BadRequest("weight_version must be a string or null")
     abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
     _bool(body.get("flush_cache", True), "flush_cache")  # no cache to flush, but check it
-    with _state(request)["activity"].loading(version):
+    with _state(request)["activity"].loading(version, interrupting=abort_all):
         success, message, num_paused = await asyncio.to_thread(
             engine.update_weights,
             model_path,

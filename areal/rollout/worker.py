@@ -2,20 +2,20 @@
 
     controller --generate(group)--------> worker --POST /generate [G]--> inference server
                <--- G trajectories ------        <-- output | abort (weight update) --
-    controller --update_weights(v, dir)-> worker --pause / update_weights_from_disk / continue
+    controller --update_weights(v, dir)-> worker --update_weights_from_disk(abort_all_requests)
     controller --wait_ready------------->  (answers once a dead server is back, on the latest v)
 
 | loop              | waits for                      | unblocked by                          |
 |-------------------|--------------------------------|---------------------------------------|
 | a group's samples | the server's /generate answer  | each finishing (stop/length) or abort |
 | resumed samples   | the server to continue         | the weight update finishing           |
-| weight update     | the server to pause and load   | /update_weights_from_disk answering   |
+| weight update     | the server to abort and load   | /update_weights_from_disk answering   |
 | recovery          | the restarted server's /health | the launcher restarting it; deadline  |
 
 Interruptible (the paper): an update aborts in-flight generations; each comes back with its
 partial output, and is resubmitted as prompt + partial output (a group's unfinished samples
-in one batched /generate, as its first request was), which the paused server
-holds until it has loaded the new weights. Its tokens keep the behaviour log-prob and the
+in one batched /generate, as its first request was), which the server holds until it has
+loaded the new weights. Its tokens keep the behaviour log-prob and the
 version of the weights that produced them. Non-interruptible (the paper's ablation): the
 update stops new submissions and waits for the in-flight ones to finish.
 
@@ -197,13 +197,12 @@ class RolloutWorker:
 
     async def _pause_load_continue(self, version: int, path: str) -> None:
         if self.interruptible and self._in_flight:
-            # Abort in-flight requests (they come back partial and are resubmitted) and
-            # hold new ones until the new weights are loaded.
-            try:  # a pause cut short (cancelled, timed out) must not leave it paused
-                await self.client.pause_generation(mode="abort")
-                await self.client.update_weights_from_disk(path, version)
-            finally:
-                await self.client.continue_generation()
+            # One call aborts the in-flight requests (they come back partial and are
+            # resubmitted at once) and loads; the server holds what arrives meanwhile until
+            # the new weights are in (SGLang: its weight-update lock), so every resumed
+            # token is generated, and labelled, with the new version. Pause + load +
+            # continue did the same in three round trips.
+            await self.client.update_weights_from_disk(path, version, abort_all_requests=True)
         else:
             # Nothing to interrupt, or the ablation (let the in-flight ones finish): hold
             # back new submissions and load into an idle server, one call instead of three

@@ -7,7 +7,9 @@ every mode, aborts, resumes and weight updates (a resumed request recomputes its
 
 from __future__ import annotations
 
+import functools
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -168,6 +170,33 @@ def test_pause_abort_then_resume_on_new_weights(engine, models):
         res = fut.result(timeout=60)
         _check(models["b"], prompt + part.output_ids, res.output_ids, res.logprobs)
         assert len(part.output_ids) + len(res.output_ids) == 80
+
+
+def test_update_with_abort_all_holds_resubmissions_until_the_new_weights(engine, models):
+    """SGLang's one-call interruption: abort, load, go on. The worker resubmits the moment
+    an abort returns (here: from the Future's callback, in the aborting thread itself);
+    those requests must wait for the load, so every resumed token is the new weights'."""
+    prompts = _prompts(4, seed=4)
+    resumed: dict[int, Future] = {}
+
+    def resubmit(i: int, fut: Future) -> None:
+        part = fut.result()
+        assert part.finish_reason["type"] == "abort"
+        ids = prompts[i] + part.output_ids
+        resumed[i] = engine.submit(f"u{i}", ids, _params(70 - len(part.output_ids)))
+        time.sleep(0.05)  # time for the decode thread to admit it, were it allowed to
+
+    futs = [engine.submit(f"t{i}", p, _params(70)) for i, p in enumerate(prompts)]
+    for i, fut in enumerate(futs):
+        fut.add_done_callback(functools.partial(resubmit, i))
+    _wait_tokens(engine, 20)
+    ok, _, _ = engine.update_weights(str(models["dir"] / "weights_b"), "1", True)
+    assert ok and sorted(resumed) == [0, 1, 2, 3]
+    for i, (prompt, fut) in enumerate(zip(prompts, futs, strict=True)):
+        part, res = fut.result(), resumed[i].result(timeout=60)
+        assert 0 < len(part.output_ids) < 70 and res.weight_version == "1"
+        _check(models["a"], prompt, part.output_ids, part.logprobs)
+        _check(models["b"], prompt + part.output_ids, res.output_ids, res.logprobs)
 
 
 def test_abort_one_request_leaves_the_others_exact(engine, models):
