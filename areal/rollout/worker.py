@@ -8,15 +8,15 @@
 | loop              | waits for                      | unblocked by                          |
 |-------------------|--------------------------------|---------------------------------------|
 | a group's samples | the server's /generate answer  | each finishing (stop/length) or abort |
-| resumed samples   | the server to continue         | the weight update finishing           |
+| resumed samples   | the server's new weights       | the weight update finishing           |
 | weight update     | the server to abort and load   | /update_weights_from_disk answering   |
 | recovery          | the restarted server's /health | the launcher restarting it; deadline  |
 
 Interruptible (the paper): an update aborts in-flight generations; each comes back with its
 partial output, and is resubmitted as prompt + partial output (a group's unfinished samples
 in one batched /generate, as its first request was), which the server holds until it has
-loaded the new weights. Its tokens keep the behaviour log-prob and the
-version of the weights that produced them. Non-interruptible (the paper's ablation): the
+loaded the new weights. Its tokens keep the behaviour log-prob and the version of the
+weights that produced them. Non-interruptible (the paper's ablation): the
 update stops new submissions and waits for the in-flight ones to finish.
 
 A dead server (unreachable, or refusing weights after every retry) is marked down: its
@@ -177,9 +177,7 @@ class RolloutWorker:
         t0 = time.time()
         for attempt in range(1, self.update_retries + 1):
             try:
-                await asyncio.wait_for(
-                    self._pause_load_continue(version, path), self.update_timeout_s
-                )
+                await asyncio.wait_for(self._load_into_server(version, path), self.update_timeout_s)
                 break
             except ServerDied as e:
                 raise ServerDown(str(e)) from e
@@ -195,7 +193,7 @@ class RolloutWorker:
         rolelog.set_context(version=version)
         log.info("loaded version %d in %.2fs", version, time.time() - t0)
 
-    async def _pause_load_continue(self, version: int, path: str) -> None:
+    async def _load_into_server(self, version: int, path: str) -> None:
         if self.interruptible and self._in_flight:
             # One call aborts the in-flight requests (they come back partial and are
             # resubmitted at once) and loads; the server holds what arrives meanwhile until
