@@ -198,13 +198,12 @@ class RolloutWorker:
             # One call aborts the in-flight requests (they come back partial and are
             # resubmitted at once) and loads; the server holds what arrives meanwhile until
             # the new weights are in (SGLang: its weight-update lock), so every resumed
-            # token is generated, and labelled, with the new version. Pause + load +
-            # continue did the same in three round trips.
+            # token is generated, and labelled, with the new version.
             await self.client.update_weights_from_disk(path, version, abort_all_requests=True)
         else:
             # Nothing to interrupt, or the ablation (let the in-flight ones finish): hold
-            # back new submissions and load into an idle server, one call instead of three
-            # (at max_staleness=0 every update finds the server idle).
+            # back new submissions and load into an idle server (at max_staleness=0 every
+            # update finds the server idle).
             self._open.clear()
             try:
                 await self._idle.wait()
