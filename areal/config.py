@@ -6,29 +6,26 @@ Precedence: dataclass defaults < YAML file < overrides. Every section checks its
 in `__post_init__`; `ExperimentConfig` checks the rules that span sections. All user
 mistakes raise `ConfigError` (a `ValueError`) naming the dotted key and the fix.
 
-This module must stay cheap to import (launcher, workers and CLI all load it first):
-standard library and PyYAML only, never torch.
+This module is the schema: the sections, their documented fields and their checks. The
+generic machinery (YAML, overrides, type checks, unknown keys, docs) is areal/config_loader.py.
+Both must stay cheap to import (launcher, workers and CLI all load them first): standard
+library and PyYAML only, never torch.
 """
 
-import ast
 import dataclasses
-import difflib
-import json
 import re
 import sys
-import types
-import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import yaml
 
+from areal import config_loader
+from areal.config_loader import ConfigError
 
-class ConfigError(ValueError):
-    """A user mistake in a config file, an override, or a constructed config."""
+__all__ = ["ConfigError", "ExperimentConfig", "load_config", "from_dict", "to_dict"]
 
 
 class _Section:
@@ -39,7 +36,7 @@ class _Section:
     def _key(self, name: str) -> str:
         return f"{self._section}.{name}" if self._section else name
 
-    def _fail(self, name: str, msg: str) -> typing.NoReturn:
+    def _fail(self, name: str, msg: str) -> NoReturn:
         raise ConfigError(f"{self._key(name)} {msg}")
 
     def _check_types(self) -> None:
@@ -47,7 +44,9 @@ class _Section:
         # one type check, and int -> float is normalised once.
         for f in dataclasses.fields(self):
             setattr(
-                self, f.name, _convert_checked(getattr(self, f.name), f.type, self._key(f.name))
+                self,
+                f.name,
+                config_loader.convert_checked(getattr(self, f.name), f.type, self._key(f.name)),
             )
 
     def _positive(self, *names: str) -> None:
@@ -564,264 +563,26 @@ class ExperimentConfig(_Section):
         return Path(self.fileroot) / self.experiment_name / self.trial_name
 
 
-# ---- types ---------------------------------------------------------------------------------
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _is_section(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _type_name(tp: Any) -> str:
-    if _is_section(tp):
-        return "a section (a mapping of its keys)"
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
-        return f"{_type_name(inner)} or null"
-    if typing.get_origin(tp) is list:
-        return f"a list of {args[0].__name__}s"
-    return {bool: "a bool (true/false)", int: "an int", float: "a float", str: "a str"}[tp]
-
-
-def _convert(value: Any, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _convert(value, inner)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise _Mismatch
-        return [_convert(v, typing.get_args(tp)[0]) for v in value]
-    # bool is a subclass of int: `lr: true` is a mistake, not 1.0.
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if tp in (bool, str) or _is_section(tp):
-        if isinstance(value, tp):
-            return value
-        raise _Mismatch
-    raise _Mismatch
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _convert_checked(value: Any, tp: Any, key: str) -> Any:
-    try:
-        return _convert(value, tp)
-    except _Mismatch:
-        hint = ""
-        if isinstance(value, Mapping) and not _is_section(tp):
-            hint = f": {key} is a single value, not a section"
-        raise ConfigError(
-            f"{key} expects {_type_name(tp)}, got {_short(value)} ({type(value).__name__}){hint}"
-        ) from None
-
-
-# ---- keys ----------------------------------------------------------------------------------
-
-
-def _walk(cls: type, prefix: str = "") -> Iterable[tuple[str, dataclasses.Field, type]]:
-    """(dotted key, field, owning class) for every field, sections before their leaves."""
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        yield key, f, cls
-        if _is_section(f.type):
-            yield from _walk(f.type, key + ".")
-
-
-@cache
-def _all_keys() -> dict[str, Any]:
-    """Every dotted key (sections and leaves) -> its type."""
-    return {key: f.type for key, f, _ in _walk(ExperimentConfig)}
-
-
-def _unknown_key(key: str) -> ConfigError:
-    keys = list(_all_keys())
-    parent, _, last = key.rpartition(".")
-    parent_tp = _all_keys().get(parent) if parent else ExperimentConfig
-    siblings = [f.name for f in dataclasses.fields(parent_tp)] if _is_section(parent_tp) else []
-    # Most telling first: a bare `lr` means `trainer.lr`; `trainer.lrr` is a sibling typo;
-    # otherwise a typo anywhere in the dotted key ('trianer.lr').
-    matches = (
-        [k for k in keys if k.rpartition(".")[2] == last]
-        or [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(last, siblings, 1)]
-        or difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
-    )
-    msg = f"unknown config key {key!r}"
-    if matches:
-        return ConfigError(f"{msg}: did you mean {' or '.join(map(repr, matches))}?")
-    if siblings:
-        where = f"of {parent!r}" if parent else "at the top level"
-        return ConfigError(f"{msg}: valid keys {where} are {', '.join(siblings)}")
-    return ConfigError(msg)
-
-
-# ---- building and loading ------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML reads `1e-3` as a string (YAML 1.1 wants `1.0e-3`); accept it as a float."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if data is None and prefix:
-        data = {}  # `trainer:` with every key commented out means its defaults
-    if not isinstance(data, Mapping):
-        where = f"{prefix} is a section" if prefix else "the config must be a mapping"
-        raise ConfigError(
-            f"{where}: give a mapping of its keys, got {_short(data)} ({type(data).__name__})"
-        )
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if name not in fields:
-            raise _unknown_key(key)
-        tp = fields[name].type
-        kwargs[name] = _build(tp, value, key) if _is_section(tp) else value
-    return cls(**kwargs)
-
-
-def from_dict(d: Mapping[str, Any]) -> ExperimentConfig:
-    """Build and validate a config from a nested mapping; missing keys take defaults."""
-    return _build(ExperimentConfig, d, "")
-
-
-def to_dict(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The config as a nested dict of plain YAML-able values."""
-    return dataclasses.asdict(cfg)
-
-
-def _merge(dst: dict, src: Mapping) -> None:
-    for k, v in src.items():
-        if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
-        else:
-            dst[k] = dict(v) if isinstance(v, Mapping) else v
-
-
-def _apply_override(data: dict, override: str) -> None:
-    if "=" not in override:
-        raise ConfigError(
-            f"override {override!r} has no '=': write overrides as "
-            "dotted.key=value, e.g. trainer.lr=1e-5"
-        )
-    key, text = (s.strip() for s in override.split("=", 1))
-    if key not in _all_keys():
-        raise _unknown_key(key)
-    try:
-        value = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as e:
-        raise ConfigError(
-            f"override {override!r}: cannot parse the value as YAML "
-            f"({getattr(e, 'problem', e)}); quote strings, write lists as [a, b]"
-        ) from None
-    *parents, last = key.split(".")
-    node = data
-    for i, part in enumerate(parents):
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            section = ".".join(parents[: i + 1])
-            raise ConfigError(
-                f"{section} is a section, but the config file gives it "
-                f"{_short(node)}: make it a mapping of its keys"
-            )
-    _merge(node, {last: value})
-
-
-def _read_yaml(path: str) -> dict:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} not found: check the path") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
-    try:
-        data = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f", line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"cannot parse config file {path!r}{where}: {problem}") from None
-    if data is None:  # an empty file means all defaults
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path!r} must hold a mapping of keys (e.g. "
-            f"'trainer: {{lr: 1.0e-5}}'), got a {type(data).__name__}"
-        )
-    return data
+# ---- bound to this schema (the generic machinery is in areal/config_loader.py) ---------------
 
 
 def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> ExperimentConfig:
     """Defaults, then the YAML file at `path`, then each `dotted.key=value` override."""
-    if isinstance(overrides, str):
-        raise TypeError("overrides must be a list of 'key=value' strings, not one string")
-    data = _read_yaml(path) if path is not None else {}
-    for override in overrides:
-        _apply_override(data, override)
-    return from_dict(data)
+    return config_loader.load(ExperimentConfig, path, overrides)
 
 
-def save_config(cfg: ExperimentConfig, path: str | Path) -> None:
-    """Write the config as YAML that `load_config` reads back to an equal config."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None))
+def from_dict(d: dict[str, Any]) -> ExperimentConfig:
+    """Build and validate a config from a nested mapping; missing keys take defaults."""
+    return config_loader.build(ExperimentConfig, d)
 
 
-# ---- documentation -------------------------------------------------------------------------
-
-
-@cache
-def _field_docs() -> dict[tuple[str, str], str]:
-    """(class name, field name) -> the string literal under the field, read from the source."""
-    docs = {}
-    for cls in ast.parse(Path(__file__).read_text()).body:
-        if not isinstance(cls, ast.ClassDef):
-            continue
-        for stmt, nxt in zip(cls.body, cls.body[1:], strict=False):
-            if (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[(cls.name, stmt.target.id)] = nxt.value.value.strip()
-    return docs
+to_dict = config_loader.to_dict
+save_config = config_loader.save
 
 
 def describe_keys() -> list[tuple[str, str, str]]:
     """(dotted key, default as YAML, docstring) for every leaf, in declaration order."""
-    defaults = to_dict(ExperimentConfig())
-    rows = []
-    for key, f, owner in _walk(ExperimentConfig):
-        if _is_section(f.type):
-            continue
-        value: Any = defaults
-        for part in key.split("."):
-            value = value[part]
-        rows.append((key, json.dumps(value), _field_docs().get((owner.__name__, f.name), "")))
-    return rows
+    return config_loader.describe(ExperimentConfig)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The config tree: defaults, YAML + overrides, error messages, round trips, key docs."""
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 import time
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from areal import config as config_mod
+from areal import config_loader
 from areal.config import (
     ConfigError,
     ExperimentConfig,
@@ -235,8 +236,8 @@ def test_describe_keys_covers_every_leaf_with_docs() -> None:
 
 
 def test_every_field_including_sections_has_a_docstring() -> None:
-    docs = config_mod._field_docs()
-    for key, f, owner in config_mod._walk(ExperimentConfig):
+    for key, f, owner in config_loader.walk(ExperimentConfig):
+        docs = config_loader._field_docs(inspect.getsourcefile(owner))
         assert docs.get((owner.__name__, f.name)), f"{key} has no docstring"
     assert all(dataclasses.is_dataclass(t) for t in (ExperimentConfig, TrainerConfig))
 
