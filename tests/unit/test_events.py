@@ -71,11 +71,16 @@ def test_read_events_merges_roles_by_start_and_skips_a_torn_line(tmp_path):
     assert events.read_events(tmp_path / "nowhere") == []
 
 
-def test_span_without_a_configured_log_does_nothing(monkeypatch):
+def test_span_without_a_configured_log_does_nothing(tmp_path, monkeypatch):
+    """stats.events=false: spans cost nothing and write nowhere (not even a default file)."""
     monkeypatch.setattr(events, "_log", None)
+    monkeypatch.chdir(tmp_path)
     with events.span("update", version=1):
         pass
-    events.record("update", 0.0, 1.0)  # no error, no file
+    events.record("update", 0.0, 1.0)
+    events.flush()
+    assert events._log is None
+    assert list(tmp_path.rglob("*")) == []
 
 
 def test_span_records_even_when_the_block_raises(event_log):
