@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from areal.config import ExperimentConfig
+
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -72,7 +74,7 @@ class TensorBoardLogger:
 class WandbLogger:
     name = "W&B"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ExperimentConfig):
         try:
             import wandb
         except ImportError:
@@ -99,13 +101,13 @@ class WandbLogger:
         self._run.finish()
 
 
-def _config_dict(cfg) -> dict:
+def _config_dict(cfg: ExperimentConfig) -> dict:
     from areal.config import to_dict
 
     return to_dict(cfg)
 
 
-def make_loggers(cfg) -> list[tuple[str, Callable[[], MetricLogger]]]:
+def make_loggers(cfg: ExperimentConfig) -> list[tuple[str, Callable[[], MetricLogger]]]:
     """(name, factory) of each logger the config asks for; the sink's thread builds them."""
     factories = [("TensorBoard", lambda: TensorBoardLogger(cfg.exp_dir / TENSORBOARD_DIR))]
     if cfg.stats.wandb.mode != "disabled":
@@ -119,7 +121,7 @@ class MetricSink:
     _STOP = object()
 
     def __init__(
-        self, factories: list[tuple[str, Callable[[], MetricLogger]]], close_timeout_s=60.0
+        self, factories: list[tuple[str, Callable[[], MetricLogger]]], close_timeout_s: float = 60.0
     ):
         self.close_timeout_s = close_timeout_s
         self._queue: queue.Queue = queue.Queue()

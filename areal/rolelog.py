@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 _context: dict[str, Any] = {}
 
@@ -36,7 +36,7 @@ class _ContextFilter(logging.Filter):
         return True
 
 
-def make_handler(name: str, stream=None) -> logging.Handler:
+def make_handler(name: str, stream: TextIO | None = None) -> logging.Handler:
     """A handler writing `time name [context] logger LEVEL: message` lines."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(_ContextFilter())

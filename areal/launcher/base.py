@@ -26,7 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
+from areal.config import ExperimentConfig
 from areal.launcher.plan import Plan, Step
 from areal.launcher.progress import Progress
 from areal.loggers import MetricSink, make_loggers
@@ -76,12 +79,12 @@ class _Terminated(Exception):
     """SIGTERM arrived (scancel, kill): stop every role like Ctrl-C does."""
 
 
-def _raise_terminated(signum, frame):
+def _raise_terminated(signum: int, frame: FrameType | None) -> NoReturn:
     raise _Terminated
 
 
 class Launcher(abc.ABC):
-    def __init__(self, cfg, plan: Plan):
+    def __init__(self, cfg: ExperimentConfig, plan: Plan):
         self.cfg = cfg
         self.plan = plan
         self.exp_dir = cfg.exp_dir

@@ -17,12 +17,13 @@ import os
 import socket
 
 from areal.comm.net import free_port
+from areal.config import ExperimentConfig
 from areal.launcher.base import Launcher
 from areal.launcher.plan import Step, make_plan
 
 
 class LocalLauncher(Launcher):
-    def __init__(self, cfg):
+    def __init__(self, cfg: ExperimentConfig):
         host = socket.gethostname()
         gpus = cfg.launcher.gpus_per_node or 0
         plan = make_plan(cfg, [host], gpus, {host: "127.0.0.1"}, free_port())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from areal.config import ConfigError
+from areal.config import ConfigError, ExperimentConfig
 
 CPU_SHARE_ENV = "AREAL_CPU_SHARE"
 """Set on the CPU steps that compute (servers, trainer ranks): how many share the node's cores."""
@@ -95,7 +95,7 @@ class Plan:
 
 
 def make_plan(
-    cfg,
+    cfg: ExperimentConfig,
     nodes: list[str],
     gpus_per_node: int,
     addresses: dict[str, str] | None = None,
@@ -157,7 +157,7 @@ def _ids(gpus: int, first: int) -> tuple[int, ...]:
     return tuple(range(first, first + gpus))
 
 
-def _gpu_split(cfg, nodes, gpus_per_node):
+def _gpu_split(cfg: ExperimentConfig, nodes: list[str], gpus_per_node: int):
     tp = cfg.inference.tp_size
     if gpus_per_node % tp:
         raise ConfigError(
@@ -186,7 +186,7 @@ def _gpu_split(cfg, nodes, gpus_per_node):
     return inference, trainers, n_inf, total - n_inf
 
 
-def _cpu_split(cfg, nodes):
+def _cpu_split(cfg: ExperimentConfig, nodes: list[str]):
     if len(nodes) == 1:
         inf_nodes = train_nodes = nodes
     else:

@@ -26,8 +26,8 @@ import sys
 from dataclasses import dataclass
 
 from areal.comm.net import HOST_ENV
-from areal.config import ConfigError
-from areal.launcher.base import Launcher
+from areal.config import ConfigError, ExperimentConfig
+from areal.launcher.base import Launcher, Proc
 from areal.launcher.plan import Plan, Step, make_plan
 
 
@@ -91,7 +91,7 @@ def current_allocation() -> Allocation:
     )
 
 
-def plan_in_allocation(cfg, alloc: Allocation) -> Plan:
+def plan_in_allocation(cfg: ExperimentConfig, alloc: Allocation) -> Plan:
     """The plan for `cfg` on the allocation, using launcher.nodes/gpus_per_node if set."""
     lc = cfg.launcher
     n = lc.nodes if lc.nodes is not None else len(alloc.nodes)
@@ -123,7 +123,7 @@ _NO_STEP = "Unable to create step"  # srun's words when it gives up creating a s
 
 
 class SlurmLauncher(Launcher):
-    def __init__(self, cfg, alloc: Allocation, plan: Plan):
+    def __init__(self, cfg: ExperimentConfig, alloc: Allocation, plan: Plan):
         super().__init__(cfg, plan)
         self.alloc = alloc
 
@@ -137,7 +137,7 @@ class SlurmLauncher(Launcher):
             return f"was killed by {name} (srun exit code {rc})"
         return super().exit_reason(rc)
 
-    def start_failure(self, p) -> str | None:
+    def start_failure(self, p: Proc) -> str | None:
         try:
             lines = p.log.read_text(errors="replace").splitlines()[:50]
         except OSError:

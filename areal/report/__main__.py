@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from areal.report.data import NotARunError, format_summary, load_run, summary
+from areal.report.data import NotARunError, Run, format_summary, load_run, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _unique_labels(runs) -> None:
+def _unique_labels(runs: list[Run]) -> None:
     """Runs of the same experiment and trial name (from different roots) get their paths."""
     labels = [r.label for r in runs]
     for r in runs:

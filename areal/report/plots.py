@@ -16,6 +16,8 @@ matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from areal.events import KINDS  # noqa: E402
@@ -38,13 +40,13 @@ ZOOM_VERSIONS = 6
 """Versions shown in the timeline's close-up (the whole run is often too dense to read)."""
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def reward_figure(run: data.Run):
+def reward_figure(run: data.Run) -> Figure:
     steps, times, reward = data.series(run, "reward/mean")
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     for ax, x, xlabel in ((by_step, steps, "step"), (by_time, times, "wall time (s)")):
@@ -58,7 +60,7 @@ def reward_figure(run: data.Run):
     return fig
 
 
-def staleness_figure(run: data.Run):
+def staleness_figure(run: data.Run) -> Figure:
     fig, (top, dist) = plt.subplots(2, 1, figsize=(11, 5.5), sharex=True)
     steps, _, stale_max = data.series(run, "staleness/max")
     _, _, stale_mean = data.series(run, "staleness/mean")
@@ -88,7 +90,7 @@ def staleness_figure(run: data.Run):
     return fig
 
 
-def lengths_figure(run: data.Run):
+def lengths_figure(run: data.Run) -> Figure:
     steps, per_step, every = data.output_lengths(run)
     fig, (over, tail) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 1]})
     for (name, values), color in zip(
@@ -112,7 +114,7 @@ def lengths_figure(run: data.Run):
     return fig
 
 
-def throughput_figure(run: data.Run):
+def throughput_figure(run: data.Run) -> Figure:
     fig, ax = plt.subplots(figsize=(11, 3.8))
     _, times, train = data.series(run, "throughput/train_tokens_per_s")
     ax.plot(times, train, color="#90caf9", lw=1, label="training (tokens consumed / s)")
@@ -128,7 +130,13 @@ def throughput_figure(run: data.Run):
     return fig
 
 
-def _draw_lanes(ax, lanes: dict[str, list[data.Span]], marks, window=None, label_marks=False):
+def _draw_lanes(
+    ax: Axes,
+    lanes: dict[str, list[data.Span]],
+    marks: list[tuple[int, float]],
+    window: tuple[float, float] | None = None,
+    label_marks: bool = False,
+) -> None:
     names = list(lanes)
     for row, name in enumerate(names):
         y = len(names) - 1 - row  # the first lane on top
@@ -163,7 +171,7 @@ def zoom_window(marks: list[tuple[int, float]]) -> tuple[float, float] | None:
     return a - pad, b + pad
 
 
-def timeline_figure(run: data.Run):
+def timeline_figure(run: data.Run) -> Figure:
     lanes = data.lanes(run)
     marks = data.version_marks(run)
     window = zoom_window(marks)
@@ -200,7 +208,7 @@ def write_run_figures(run: data.Run, out_dir: Path) -> list[Path]:
     return written
 
 
-def compare_figure(runs: list[data.Run]):
+def compare_figure(runs: list[data.Run]) -> Figure:
     fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
     cmap = plt.get_cmap("tab10")
     for i, run in enumerate(runs):
