@@ -62,8 +62,8 @@ def gpipe(
             if not last:
                 dist.send(out.detach().contiguous(), dst=nxt)
             else:
-                first = None if starts is None else starts[k]
-                lp = backend._token_logprobs(out, input_ids, seqs, first)
+                mb_starts = None if starts is None else starts[k]
+                lp = backend._token_logprobs(out, input_ids, seqs, mb_starts)
                 if train:
                     out, stats = loss_fn(k, lp)
                     results.append(stats)
