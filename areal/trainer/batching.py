@@ -72,28 +72,37 @@ def pack_sequences(
 LossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
+def forward_loop(
+    logprobs: Callable[[Sequence[Sequence[int]], Sequence[int] | None], torch.Tensor],
+    micro_batches: Sequence[Sequence[Sequence[int]]],
+    starts: Sequence[Sequence[int]] | None = None,
+) -> list[torch.Tensor]:
+    """The plain forward-only loop behind `backend.forward` (no pipeline stages): each
+    micro-batch's log-prob stream, without gradients (float32, CPU).
+
+    starts[k][i]: the first stream entry of micro-batch k's sequence i that the caller reads
+    (the entries before it are 0).
+    """
+    with torch.no_grad():
+        return [
+            logprobs(seqs, None if starts is None else starts[k]).float().cpu()
+            for k, seqs in enumerate(micro_batches)
+        ]
+
+
 def forward_backward_loop(
     logprobs: Callable[[Sequence[Sequence[int]], Sequence[int] | None], torch.Tensor],
     micro_batches: Sequence[Sequence[Sequence[int]]],
-    loss_fn: LossFn | None = None,
+    loss_fn: LossFn,
     starts: Sequence[Sequence[int]] | None = None,
-) -> list:
-    """The plain micro-batch loop behind `backend.forward_backward` (no pipeline stages).
-
-    Without loss_fn (forward only): each micro-batch's log-prob stream, without gradients
-    (float32, CPU). With loss_fn: log-probs -> loss_fn(k, log-probs of micro-batch k) ->
-    (loss, stats) -> loss.backward(), gradients accumulating; returns each one's stats.
-    starts[k][i]: the first stream entry of micro-batch k's sequence i that the caller reads
-    (a backend may leave the entries before it 0).
+) -> list[dict[str, float]]:
+    """The plain micro-batch loop behind `backend.forward_backward` (no pipeline stages):
+    log-probs -> loss_fn(k, log-probs of micro-batch k) -> (loss, stats) -> loss.backward(),
+    gradients accumulating; returns each micro-batch's stats. `starts` as in forward_loop.
     """
     results = []
     for k, seqs in enumerate(micro_batches):
-        first = starts[k] if starts is not None else None
-        if loss_fn is None:
-            with torch.no_grad():
-                results.append(logprobs(seqs, first).float().cpu())
-            continue
-        loss, stats = loss_fn(k, logprobs(seqs, first))
+        loss, stats = loss_fn(k, logprobs(seqs, None if starts is None else starts[k]))
         loss.backward()
         results.append(stats)
     return results

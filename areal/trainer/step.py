@@ -10,9 +10,10 @@ batch of B*G trajectories
        -> decoupled PPO loss / valid tokens of the whole minibatch on all ranks
        -> backward -> gradients summed over ranks -> clip -> one optimizer step
 
-The backend runs the micro-batches (`backend.forward_backward(micro_batches, loss_fn)`):
-a plain loop, or a pipeline schedule whose last stage calls loss_fn. Either way every
-rank gets the results (log-probs, or each micro-batch's loss statistics).
+The backend (backend.TrainerBackend) runs the micro-batches: `forward` for the proximal
+log-probs, `forward_backward(micro_batches, loss_fn)` for the updates; a plain loop, or a
+pipeline schedule whose last stage calls loss_fn. Either way every rank gets the results
+(log-prob streams, or each micro-batch's loss statistics).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from areal import events
+from areal.trainer.backend import TrainerBackend
 from areal.trainer.batching import allocate_micro_batches
 from areal.trainer.parallel import DataParallel
 from areal.trainer.ppo import behaviour_weight_mask, compute_advantages, decoupled_ppo_loss
@@ -101,15 +103,13 @@ def _pick(values: Sequence, mbs: list[list[int]]) -> list[list]:
 
 @torch.no_grad()
 def proximal_logprobs(
-    backend, seqs, max_tokens_per_mb: int, starts: list[int] | None = None
+    backend: TrainerBackend, seqs, max_tokens_per_mb: int, starts: list[int] | None = None
 ) -> list[torch.Tensor]:
     """Log-probs of every sequence under the current weights, one tensor per sequence
     (entries before starts[i] may be 0)."""
     result: list[torch.Tensor | None] = [None] * len(seqs)
     mbs = _micro_batches(seqs, list(range(len(seqs))), max_tokens_per_mb, 1)
-    streams = backend.forward_backward(  # forward only
-        _pick(seqs, mbs), starts=None if starts is None else _pick(starts, mbs)
-    )
+    streams = backend.forward(_pick(seqs, mbs), None if starts is None else _pick(starts, mbs))
     for mb, stream in zip(mbs, streams, strict=True):
         for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
             result[i] = part
@@ -133,7 +133,7 @@ def _equal_micro_batches(seqs, share: list[int], spec: tuple[int, int], dp) -> l
 
 
 def train_step(
-    backend,
+    backend: TrainerBackend,
     trajs: Sequence[Trajectory],
     *,
     eps_clip: float,

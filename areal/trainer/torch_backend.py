@@ -28,15 +28,19 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from areal.trainer.batching import LossFn, forward_backward_loop, pack_sequences
+from areal.checkpoint import load_rank_state, save_rank_state
+from areal.trainer.backend import DTYPES, optimizer_file, warmup_lr
+from areal.trainer.batching import LossFn, forward_backward_loop, forward_loop, pack_sequences
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
+from areal.trainer.parallel import DataParallel
 from areal.weights import copy_companion_files
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TorchBackend:
-    """Owns the model and optimizer; computes per-token log-probs and applies updates."""
+    """Owns the model and optimizer; computes per-token log-probs and applies updates.
+    A backend.TrainerBackend whose every rank holds the whole model."""
+
+    collective_save = False  # global rank 0 holds all the weights and optimizer state
 
     def __init__(
         self,
@@ -55,10 +59,11 @@ class TorchBackend:
         hf_logging.disable_progress_bar()  # one bar per published version would flood the log
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype])
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[dtype])
         self.model.to(self.device)
         self.temperature = temperature
         self.grad_clip = grad_clip
+        self.lr, self.warmup_steps, self.n_steps = lr, warmup_steps, 0
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=lr,
@@ -69,10 +74,7 @@ class TorchBackend:
             # faster for the tiny model, where the optimizer was a fifth of a step.
             fused=True,
         )
-        # Constant learning rate after a linear warm-up (paper, appendix A).
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
-        )
+        self._set_lr()
         self._packed_by_position = self.model.config._attn_implementation == "flash_attention_2"
         if not self._packed_by_position:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -112,36 +114,85 @@ class TorchBackend:
         every = every.index_put((positions.to(self.device),), token_logprobs)
         return every[in_stream.to(self.device)]
 
+    @torch.no_grad()
+    def logits(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Full-vocabulary logits [T, V] of the packed stream, without temperature."""
+        input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
+        bounds = {} if self._packed_by_position else {"cu_seq_lens_q": cu_seqlens}
+        return self.model(
+            input_ids=input_ids[None].to(self.device),
+            position_ids=position_ids[None].to(self.device),
+            **bounds,
+        ).logits[0]
+
+    def forward(
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        starts: Sequence[Sequence[int]] | None = None,
+    ) -> list[torch.Tensor]:
+        """Each micro-batch's log-prob stream (batching.forward_loop over self.logprobs)."""
+        return forward_loop(self.logprobs, micro_batches, starts)
+
     def forward_backward(
         self,
         micro_batches: Sequence[Sequence[Sequence[int]]],
-        loss_fn: LossFn | None = None,
+        loss_fn: LossFn,
         starts: Sequence[Sequence[int]] | None = None,
-    ) -> list:
+    ) -> list[dict[str, float]]:
         """The plain micro-batch loop (batching.forward_backward_loop) over self.logprobs."""
         return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts)
 
-    def reduce_grads(self, dp) -> None:
+    def reduce_grads(self, dp: DataParallel) -> None:
         """Sum gradients over the data-parallel ranks (a no-op without them)."""
         dp.all_reduce_grads(self.model.parameters())
+
+    def _set_lr(self) -> None:
+        lr = warmup_lr(self.lr, self.n_steps, self.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def optimizer_step(self) -> float:
         """Clip, step, and reset gradients; returns the gradient norm before clipping."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.n_steps += 1
+        self._set_lr()
         return float(norm)
 
-    def save_hf(self, out_dir: str | Path) -> None:
+    # ---- weights and state --------------------------------------------------------------
+
+    def save_hf(self, out_dir: Path | None) -> None:
         """Write an HF model directory (safetensors, config, tokenizer) at out_dir."""
+        assert out_dir is not None, "not a collective save: only global rank 0 calls it"
         out = Path(out_dir)
         self.model.save_pretrained(out, safe_serialization=True)
         copy_companion_files(self.model_dir, out)
 
+    def save_optimizer(self, directory: Path | None) -> None:
+        """Adam's moments and step counts into the checkpoint directory (optimizer-tp0-pp0,
+        the one model-parallel position); the learning-rate schedule is in state_dict."""
+        assert directory is not None, "not a collective save: only global rank 0 calls it"
+        save_rank_state(
+            Path(directory), optimizer_file(), {"optimizer": self.optimizer.state_dict()}
+        )
+
+    def load_optimizer(self, directory: Path) -> None:
+        """The optimizer state save_optimizer wrote (every rank reads the same file)."""
+        state = load_rank_state(Path(directory), optimizer_file())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._set_lr()
+
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """The optimizer steps taken: where the warm-up schedule stands."""
+        return {"n_steps": self.n_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if "n_steps" not in state:
+            raise ValueError(
+                "this checkpoint's trainer.json has no n_steps: it was written by an older "
+                "areal, whose torch optimizer state this one does not read. Start a new run "
+                "with model.path=<the checkpoint's model/ directory> (fresh optimizer)"
+            )
+        self.n_steps = state["n_steps"]
+        self._set_lr()

@@ -1,13 +1,24 @@
 """The trainer worker: batch in, PPO update, weights out, one line of metrics.
 
-    controller --get_batch(i)--> trainer rank 0 --broadcast--> ranks 1..world-1
-    every rank: proximal log-probs, advantages, minibatch updates on its share
-    rank 0 --weights/v(i+1)/ + weights_ready(i+1)--> controller
+One loop, the same on every rank of the trainer world (`_train`); what only global rank 0
+does in it (`dp.is_main`) talks to the controller and writes files:
 
-| waits for                         | unblocked by                                    |
-|-----------------------------------|-------------------------------------------------|
-| get_batch(i) (rank 0)             | the buffer holding a batch allowed at version i |
-| the batch's broadcast (ranks > 0) | rank 0 receiving it                             |
+    step: version i -> i+1, on every rank
+      get_batch(i): rank 0 asks the controller --broadcast--> every other rank
+      train_step: proximal log-probs, advantages, minibatch updates on this rank's share
+      publish: rank 0 writes weights/v(i+1)/ + weights_ready(i+1) --> controller
+               (collective backend: every rank contributes its slices of the weights)
+      rank 0: one line of metrics.jsonl and of batches.jsonl
+      save due? rank 0 decides --broadcast--> every rank; if so, a checkpoint of v(i+1):
+               rank 0 writes and commits it with the controller's state
+               (collective backend: every rank writes its slices and optimizer file)
+
+| waits for                             | unblocked by                                    |
+|---------------------------------------|-------------------------------------------------|
+| get_batch(i) (rank 0)                 | the buffer holding a batch allowed at version i |
+| the batch's broadcast (ranks > 0)     | rank 0 receiving it                             |
+| the save decision's broadcast (> 0)   | rank 0 having published and written metrics     |
+| a collective save_hf / save_optimizer | every rank reaching it                          |
 
 It never waits for the inference servers: they load each version while it trains on.
 """
@@ -26,44 +37,13 @@ from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.launcher.plan import role_threads
+from areal.trainer.backend import TrainerBackend, make_backend
 from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import train_step
-from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory
 from areal.weights import publish
 
 log = logging.getLogger("areal.trainer")
-
-
-def make_backend(cfg, model_dir, dp: DataParallel):
-    """The configured backend, and `dp` narrowed to its data-parallel group (megatron)."""
-    t = cfg.trainer
-    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
-    common = dict(
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        betas=t.betas,
-        adam_eps=t.adam_eps,
-        grad_clip=t.grad_clip,
-        warmup_steps=int(t.warmup_steps_ratio * n_updates),
-        dtype=cfg.model.dtype,
-        temperature=cfg.rollout.temperature,
-    )
-    if t.backend == "torch":
-        device = str(dp.device) if dp.device.type == "cuda" else None
-        return TorchBackend(model_dir, device=device, **common), dp
-    # Lazy: the torch path never imports megatron.
-    from areal.trainer.megatron.backend import MegatronBackend, data_parallel_group
-
-    backend = MegatronBackend(
-        model_dir,
-        tp=t.parallel.tp,
-        pp=t.parallel.pp,
-        save_dtype=t.save_dtype,
-        seed=cfg.seed,
-        **common,
-    )
-    return backend, data_parallel_group(dp)
 
 
 def staleness(trajs: list[Trajectory], version: int) -> list[int]:
@@ -79,37 +59,69 @@ def last_time(metrics_path: Path) -> float:
     return json.loads(lines[-1])["time"] if lines else 0.0
 
 
-def save_checkpoint(cfg, backend, controller: SyncRpcClient, version: int) -> None:
-    """Trainer and controller state of `version`, committed together (global rank 0)."""
-
-    def write(directory: Path) -> None:
-        write_trainer_part(backend, directory)
-        controller.call("save_state", path=str(directory / CONTROLLER_STATE))
-
-    checkpoint.save(cfg.exp_dir, version, write)
-
-
-def write_trainer_part(backend, directory: Path | None) -> None:
-    """The trainer's part of a checkpoint. With a model-parallel backend every rank calls
-    it at the same step (directory None on ranks > 0): they contribute weight slices and
-    write their own optimizer files before global rank 0 returns and commits."""
-    collective = getattr(backend, "collective_save", False)
-    if directory is None:
-        assert collective
-        backend.save_hf(None)
-        backend.save_optimizer(None)
-        return
-    backend.save_hf(directory / "model")
-    if collective:
-        backend.save_optimizer(directory)
-    save_trainer_state(directory, backend.state_dict())
+def write_trainer_part(backend: TrainerBackend, directory: Path | None) -> None:
+    """The trainer's part of a checkpoint: the HF weights (model/), the optimizer file(s)
+    and trainer.json. Global rank 0 passes the directory being written; with a collective
+    backend every other rank calls it at the same step with None, contributing its weight
+    slices and optimizer file before global rank 0 returns (and commits)."""
+    assert directory is not None or backend.collective_save
+    backend.save_hf(None if directory is None else directory / "model")
+    backend.save_optimizer(directory)
+    if directory is not None:
+        save_trainer_state(directory, backend.state_dict())
 
 
-def load_trainer_part(backend, directory: Path) -> None:
-    """Every rank: the state write_trainer_part saved."""
+def load_trainer_part(backend: TrainerBackend, directory: Path) -> None:
+    """Every rank: the state write_trainer_part saved (trainer.json before the optimizer
+    file(s): it says which layout they were written for)."""
     backend.load_state_dict(load_trainer_state(directory))
-    if getattr(backend, "collective_save", False):
-        backend.load_optimizer(directory)
+    backend.load_optimizer(directory)
+
+
+def publish_weights(
+    cfg, backend: TrainerBackend, controller: SyncRpcClient | None, version: int, dp: DataParallel
+) -> None:
+    """weights/v{version}/ and weights_ready to the controller (global rank 0); with a
+    collective backend the other ranks contribute their slices of the weights."""
+    if dp.is_main:
+        with events.span("publish", version=version):
+            path = publish(cfg.exp_dir, version, backend.save_hf)
+            controller.call("weights_ready", version=version, path=str(path))
+    elif backend.collective_save:
+        backend.save_hf(None)
+
+
+def save_checkpoint(
+    cfg, backend: TrainerBackend, controller: SyncRpcClient | None, version: int, dp: DataParallel
+) -> None:
+    """Trainer and controller state of `version`, committed together by global rank 0; with
+    a collective backend the other ranks write their parts first."""
+    if dp.is_main:
+
+        def write(directory: Path) -> None:
+            write_trainer_part(backend, directory)
+            controller.call("save_state", path=str(directory / CONTROLLER_STATE))
+
+        with events.span("checkpoint", version=version):
+            checkpoint.save(cfg.exp_dir, version, write)
+    elif backend.collective_save:
+        write_trainer_part(backend, None)
+
+
+def save_rule(cfg, version: int, seconds_since_save: float) -> bool:
+    """Checkpoint `version`? After the last step, every trainer.save_freq_steps, or when
+    trainer.save_freq_s passed since the last save."""
+    freq, freq_s = cfg.trainer.save_freq_steps, cfg.trainer.save_freq_s
+    if version == cfg.total_train_steps or (freq and version % freq == 0):
+        return True
+    return bool(freq_s and seconds_since_save >= freq_s)
+
+
+def save_due(cfg, version: int, t_saved: float, dp: DataParallel) -> bool:
+    """save_rule on global rank 0 (its clock), the same answer on every rank: a collective
+    save needs all of them, and their clocks differ."""
+    due = save_rule(cfg, version, time.time() - t_saved) if dp.is_main else None
+    return bool(dp.broadcast_object(due))
 
 
 def run_trainer(cfg, key: bytes, index: int = 0) -> None:
@@ -130,11 +142,11 @@ def _get_batch(controller: SyncRpcClient | None, version: int, dp: DataParallel)
         return dp.broadcast_object(reply)
 
 
-def batch_line(step: int, trajs: list[Trajectory], stale: list[int]) -> dict:
-    """One line of batches.jsonl: the per-sample figures behind a step's metrics (the
-    report's staleness and output-length distributions)."""
+def batch_line(version: int, trajs: list[Trajectory], stale: list[int]) -> dict:
+    """One line of batches.jsonl: the per-sample figures behind the metrics of the step
+    that made `version` (the report's staleness and output-length distributions)."""
     return {
-        "step": step,
+        "step": version,
         "output_len": [len(t.output_ids) for t in trajs],
         "staleness": stale,
         "reward": [t.reward for t in trajs],
@@ -149,83 +161,89 @@ def _train(cfg, key: bytes, dp: DataParallel) -> None:
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
     model_dir = resume_from.model_dir if resume_from else cfg.model.path
     backend, dp = make_backend(cfg, model_dir, dp)
-    version = 0
+    version = 0  # completed trainer updates: the weights this rank holds
     if resume_from:
         load_trainer_part(backend, resume_from.path)
         version = resume_from.version
-    if not dp.is_main:
-        for step in range(version, cfg.total_train_steps):
-            trajs = [Trajectory.from_wire(d) for d in _get_batch(None, version, dp)["trajectories"]]
-            train_step(backend, trajs, dp=dp, **_step_args(cfg, step))
-            version += 1
-            if getattr(backend, "collective_save", False):
-                # Model-parallel ranks hold slices of the weights rank 0 publishes: they take
-                # part in every save_hf of rank 0 (publish, and checkpoints).
-                backend.save_hf(None)
-                freq = cfg.trainer.save_freq_steps
-                if version == cfg.total_train_steps or (freq and version % freq == 0):
-                    write_trainer_part(backend, None)
-        dp.barrier()  # rank 0 may still be writing the last checkpoint
-        return
-    wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
-    controller = SyncRpcClient(Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s), key)
-    metrics_path = cfg.exp_dir / "metrics.jsonl"
-    t_last = time.time()
-    t_start = t_last - last_time(metrics_path)  # a resumed run's clock goes on
-    t_saved = t_last
-    with open(metrics_path, "a") as metrics, open(cfg.exp_dir / "batches.jsonl", "a") as batches:
-        for step in range(version, cfg.total_train_steps):
-            reply = _get_batch(controller, version, dp)
-            trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
-            t_batch = time.time()
-            stats = train_step(backend, trajs, dp=dp, **_step_args(cfg, step))
-            t_train = time.time() - t_batch
-            stale = staleness(trajs, version)
-            version += 1
-            with events.span("publish", version=version):
-                path = publish(cfg.exp_dir, version, backend.save_hf)
-                controller.call("weights_ready", version=version, path=str(path))
-            now = time.time()
+    controller, metrics = None, None
+    if dp.is_main:
+        wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
+        address = Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s)
+        controller = SyncRpcClient(address, key)
+        metrics = _Metrics(cfg.exp_dir, dp)
+    t_saved = time.time()
+    while version < cfg.total_train_steps:
+        reply = _get_batch(controller, version, dp)
+        trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
+        t_batch = time.time()
+        stats = train_step(backend, trajs, dp=dp, **_step_args(cfg, version))
+        t_train = time.time() - t_batch
+        stale = staleness(trajs, version)
+        version += 1  # the step is done: this rank holds the weights of the new version
+        publish_weights(cfg, backend, controller, version, dp)
+        if dp.is_main:
             rolelog.set_context(version=version)
             log.info("trained in %.2fs, published version %d", t_train, version)
-            record = {
-                "step": step + 1,
-                "version": version,
-                "time": now - t_start,
-                "reward/mean": stats.pop("reward/mean"),
-                "staleness/max": max(stale),
-                "staleness/mean": sum(stale) / len(stale),
-                "throughput/train_tokens_per_s": stats["train/n_tokens"] / (now - t_last),
-                "time/train_s": t_train,
-                "time/wait_batch_s": t_batch - t_last,
-                "trainer/dp": dp.world_size,
-                **stats,
-                **reply["stats"],
-            }
-            t_last = now
-            batches.write(json.dumps(batch_line(step + 1, trajs, stale)) + "\n")
-            batches.flush()  # before metrics: a reader that sees a step finds its batch
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if _save_due(cfg, backend, version, t_saved):
-                with events.span("checkpoint", version=version):
-                    save_checkpoint(cfg, backend, controller, version)
-                t_saved = time.time()
-    dp.barrier()
-    controller.close()
+            metrics.write(version, trajs, stale, stats, reply["stats"], t_batch, t_train)
+        if save_due(cfg, version, t_saved, dp):
+            save_checkpoint(cfg, backend, controller, version, dp)
+            t_saved = time.time()
+    dp.barrier()  # rank 0 may still be writing the last checkpoint
+    if dp.is_main:
+        metrics.close()
+        controller.close()
 
 
-def _save_due(cfg, backend, version: int, t_saved: float) -> bool:
-    """After the last step, every save_freq_steps, or save_freq_s after the last save
-    (rank 0 alone decides by time: not with a backend whose ranks all take part in a save)."""
-    freq, freq_s = cfg.trainer.save_freq_steps, cfg.trainer.save_freq_s
-    if version == cfg.total_train_steps or (freq and version % freq == 0):
-        return True
-    timed = freq_s and not getattr(backend, "collective_save", False)
-    return bool(timed and time.time() - t_saved >= freq_s)
+class _Metrics:
+    """Global rank 0's metrics.jsonl and batches.jsonl, one line each per step."""
+
+    def __init__(self, exp_dir: Path, dp: DataParallel):
+        metrics_path = exp_dir / "metrics.jsonl"
+        self.dp = dp
+        self.t_last = time.time()
+        self.t_start = self.t_last - last_time(metrics_path)  # a resumed run's clock goes on
+        self.metrics = open(metrics_path, "a")
+        self.batches = open(exp_dir / "batches.jsonl", "a")
+
+    def write(
+        self,
+        version: int,
+        trajs: list[Trajectory],
+        stale: list[int],
+        stats: dict[str, float],
+        batch_stats: dict,
+        t_batch: float,
+        t_train: float,
+    ) -> None:
+        """The line of the step that made `version`."""
+        now = time.time()
+        record = {
+            "step": version,
+            "version": version,
+            "time": now - self.t_start,
+            "reward/mean": stats.pop("reward/mean"),
+            "staleness/max": max(stale),
+            "staleness/mean": sum(stale) / len(stale),
+            "throughput/train_tokens_per_s": stats["train/n_tokens"] / (now - self.t_last),
+            "time/train_s": t_train,
+            "time/wait_batch_s": t_batch - self.t_last,
+            "trainer/dp": self.dp.world_size,
+            **stats,
+            **batch_stats,
+        }
+        self.t_last = now
+        self.batches.write(json.dumps(batch_line(version, trajs, stale)) + "\n")
+        self.batches.flush()  # before metrics: a reader that sees a step finds its batch
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.batches.close()
 
 
-def _step_args(cfg, step: int) -> dict:
+def _step_args(cfg, version: int) -> dict:
+    """train_step's arguments for the step from `version` to version + 1."""
     return dict(
         eps_clip=cfg.ppo.eps_clip,
         use_decoupled_loss=cfg.ppo.use_decoupled_loss,
@@ -234,6 +252,6 @@ def _step_args(cfg, step: int) -> dict:
         adv_norm=cfg.ppo.adv_norm,
         max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,
         min_n_mbs=cfg.trainer.mb_spec.min_n_mbs,
-        seed=cfg.seed + step,  # the same shuffle on every rank
-        version=step,  # the trainer's version before step `step` is step
+        seed=cfg.seed + version,  # the same shuffle on every rank
+        version=version,
     )

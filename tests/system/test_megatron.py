@@ -26,6 +26,7 @@ from tests.system.test_data_parallel import STEP_ARGS, make_trajectories
 from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
 SEQS = [[5, 9, 14, 3, 22, 7, 1], [40, 2, 2], [11, 12, 13, 14, 15], [30, 31]]
+STARTS = [4, 0, 3, 1]  # the first stream entry the caller reads, per sequence
 OPT = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=1e9)
 
 
@@ -53,10 +54,16 @@ def _rank_main(rank: int, nprocs: int, model_dir: str, out_dir: str, port: int) 
         logits = backend.logits(SEQS)
         packed = backend.logprobs(SEQS).detach()
         alone = torch.cat([backend.logprobs([s]).detach() for s in SEQS])
+        started = backend.logprobs(SEQS, STARTS).detach()
         backend.save_hf(out / f"saved_tp{nprocs}" if rank == 0 else None)
         if rank == 0:
             save_file(
-                {"logits": logits.contiguous(), "packed": packed, "alone": alone},
+                {
+                    "logits": logits.contiguous(),
+                    "packed": packed,
+                    "alone": alone,
+                    "started": started,
+                },
                 out / f"tp{nprocs}.safetensors",
             )
         # Same world, new layout: every rank a data-parallel replica of the whole model.
@@ -107,6 +114,18 @@ def test_a_packed_micro_batch_equals_its_sequences_alone(runs):
         r = load_file(out / f"tp{tp}.safetensors")
         assert r["packed"].shape == (sum(len(s) - 1 for s in SEQS),)
         assert torch.allclose(r["packed"], r["alone"], atol=1e-5, rtol=0), tp
+
+
+def test_starts_zero_the_entries_before_them_and_change_nothing_after(runs):
+    """The megatron backend honours `starts` like the torch one (test_packed_attention)."""
+    _, out = runs
+    scored = torch.cat([torch.arange(len(s) - 1) >= k for s, k in zip(SEQS, STARTS, strict=True)])
+    assert 0 < int(scored.sum()) < len(scored)
+    for tp in (1, 2):
+        r = load_file(out / f"tp{tp}.safetensors")
+        assert r["started"].shape == r["packed"].shape
+        assert torch.equal(r["started"][~scored], torch.zeros(int((~scored).sum())))
+        assert torch.allclose(r["started"][scored], r["packed"][scored], atol=1e-6, rtol=0), tp
 
 
 def test_weights_come_back_bit_exact_from_tp1_and_tp2(runs):

@@ -120,7 +120,7 @@ def _pp_main(rank: int, model_dir: str, out_dir: str, port: int) -> None:
         b = _backend(model_dir, pp=2)
         mbs = [SEQS[:2], SEQS[2:]]
         with torch.no_grad():
-            fwd = b.forward_backward(mbs)  # forward only: log-prob streams on every stage
+            fwd = b.forward(mbs)  # log-prob streams on every stage
         b.save_hf(Path(out_dir) / "saved_pp2" if rank == 0 else None)
         stats = b.forward_backward(mbs, lambda k, lp: (-lp.float().mean(), {"k": float(k)}))
         dp = data_parallel_group(world)

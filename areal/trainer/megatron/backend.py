@@ -1,4 +1,4 @@
-"""MegatronBackend: the TorchBackend interface over a megatron-core GPTModel.
+"""MegatronBackend: a backend.TrainerBackend over a megatron-core GPTModel.
 
     trainer/step.py --forward_backward(micro-batches, loss_fn)--> packed forwards
         --> per-token log-probs (TP-reduced, last PP stage) --> loss_fn --> backward
@@ -31,16 +31,12 @@ import torch
 import torch.distributed as dist
 
 from areal.checkpoint import load_rank_state, save_rank_state
-from areal.trainer.batching import LossFn, forward_backward_loop, pack_sequences
+from areal.trainer.backend import DTYPES, optimizer_file, warmup_lr
+from areal.trainer.batching import LossFn, forward_backward_loop, forward_loop, pack_sequences
 from areal.trainer.megatron import cuda_redirect, pipeline
-from areal.trainer.megatron.model import (
-    _DTYPES,
-    build_gpt_model,
-    has_transformer_engine,
-    read_hf_config,
-)
+from areal.trainer.megatron.model import build_gpt_model, has_transformer_engine, read_hf_config
 from areal.trainer.megatron.weights_io import load_hf, save_hf
-from areal.trainer.parallel import broadcast_plain
+from areal.trainer.parallel import DataParallel, broadcast_plain
 
 
 def init_model_parallel(tp: int, pp: int) -> None:
@@ -66,9 +62,9 @@ def data_parallel_group(world):
 
 
 class MegatronBackend:
-    """Owns this rank's model slice and optimizer; same methods as TorchBackend."""
+    """Owns this rank's model slice and optimizer (a backend.TrainerBackend)."""
 
-    collective_save = True  # every rank of the saving model-parallel group calls save_hf
+    collective_save = True  # each rank holds a slice of the weights and of the optimizer
 
     def __init__(
         self,
@@ -104,7 +100,7 @@ class MegatronBackend:
         self.gpt = build_gpt_model(self.shape, tp, pp, dtype)
         load_hf(self.gpt, self.model_dir, self.shape, self.layout)
         self.temperature, self.grad_clip = temperature, grad_clip
-        self.save_dtype = _DTYPES[save_dtype]
+        self.save_dtype = DTYPES[save_dtype]
         self.lr, self.warmup_steps, self.n_steps = lr, warmup_steps, 0
         opt = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=adam_eps)
         if self.on_gpu:
@@ -164,25 +160,40 @@ class MegatronBackend:
         pad = torch.arange(per_rank, device=logits.device) >= n_real
         return logits.masked_fill(pad, float("-inf"))
 
+    def forward(
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        starts: Sequence[Sequence[int]] | None = None,
+    ) -> list[torch.Tensor]:
+        """Each micro-batch's log-prob stream on every rank (batching.forward_loop's
+        contract); with pp > 1 through a pipeline schedule (see the module table)."""
+        if self.pp == 1:
+            return forward_loop(self.logprobs, micro_batches, starts)
+        return self._pipelined(micro_batches, None, starts)
+
     def forward_backward(
         self,
         micro_batches: Sequence[Sequence[Sequence[int]]],
-        loss_fn: LossFn | None = None,
+        loss_fn: LossFn,
         starts: Sequence[Sequence[int]] | None = None,
-    ) -> list:
-        """batching.forward_backward_loop's contract (forward only without loss_fn), on
-        every rank; with pp > 1 through a pipeline schedule (see the module table).
-        `starts` is ignored: the output layer computes the logits of every position."""
+    ) -> list[dict[str, float]]:
+        """batching.forward_backward_loop's contract on every rank; with pp > 1 through a
+        pipeline schedule (see the module table)."""
         if self.pp == 1:
-            return forward_backward_loop(self.logprobs, micro_batches, loss_fn)
+            return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts)
+        return self._pipelined(micro_batches, loss_fn, starts)
+
+    def _pipelined(self, micro_batches, loss_fn: LossFn | None, starts) -> list:
+        """The pipeline schedule's results (streams without loss_fn, else stats), computed
+        on the last stage and broadcast to every stage of this pipeline."""
         if not micro_batches:  # the same on every stage of this pipeline: all skip
             return []
         if self.on_gpu:
             from areal.trainer.megatron.gpu import forward_backward_pipelined
 
-            results = forward_backward_pipelined(self, micro_batches, loss_fn)
+            results = forward_backward_pipelined(self, micro_batches, loss_fn, starts)
         else:
-            results = pipeline.gpipe(self, micro_batches, loss_fn)
+            results = pipeline.gpipe(self, micro_batches, loss_fn, starts)
         return pipeline.broadcast_from_last_stage(
             results, micro_batches, loss_fn is None, self.device
         )
@@ -191,21 +202,33 @@ class MegatronBackend:
         self, seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
     ) -> torch.Tensor:
         """Log-probs of every next token of every sequence, as one stream (L-1 per sequence);
-        `starts` is ignored (see forward_backward)."""
+        entries before starts[i] are 0 (see _token_logprobs)."""
         logits, input_ids = self._forward(seqs)
-        return self._token_logprobs(logits[None], input_ids, seqs)
+        return self._token_logprobs(logits[None], input_ids, seqs, starts)
 
-    def _token_logprobs(self, output, input_ids, seqs) -> torch.Tensor:
-        """Next-token log-probs from vocab-parallel logits [1, T, V/tp], reduced over TP."""
+    def _token_logprobs(self, output, input_ids, seqs, starts=None) -> torch.Tensor:
+        """Next-token log-probs from vocab-parallel logits [1, T, V/tp], reduced over TP.
+
+        The output layer has computed every position's logits (GPTModel keeps none back),
+        but only the scored rows (at or after their sequence's start) go through the
+        temperature, the vocab-padding mask and the cross entropy; the others are 0.
+        """
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = self._mask_vocab_padding(output[0].float() / self.temperature)
-        labels = torch.roll(input_ids, -1)
-        token_logprobs = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None])[:, 0]
-        lens = torch.tensor([len(s) for s in seqs], device=self.device)
-        keep = torch.ones(len(input_ids), dtype=torch.bool, device=self.device)
-        keep[torch.cumsum(lens, 0) - 1] = False  # the last position predicts the next sequence
-        return token_logprobs[keep]
+        dev = self.device
+        lens = torch.tensor([len(s) for s in seqs], device=dev)
+        first = torch.tensor(list(starts) if starts is not None else [0] * len(seqs), device=dev)
+        position = torch.arange(len(input_ids), device=dev) - torch.repeat_interleave(
+            torch.cumsum(lens, 0) - lens, lens
+        )
+        # A sequence's last token predicts the next sequence's first: not in the stream.
+        in_stream = position < torch.repeat_interleave(lens - 1, lens)
+        rows = (in_stream & (position >= torch.repeat_interleave(first, lens))).nonzero()[:, 0]
+        logits = self._mask_vocab_padding(output[0][rows].float() / self.temperature)
+        labels = input_ids[rows + 1]
+        scored = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None])[:, 0]
+        every = torch.zeros(len(input_ids), dtype=scored.dtype, device=dev)
+        return every.index_put((rows,), scored)[in_stream]
 
     @torch.no_grad()
     def logits(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -217,7 +240,7 @@ class MegatronBackend:
 
     # ---- update -------------------------------------------------------------------------
 
-    def reduce_grads(self, dp) -> None:
+    def reduce_grads(self, dp: DataParallel) -> None:
         """Sum gradients over the data-parallel group (the loss is already normalised), and
         the tied embedding's over its two copies (first and last PP stage)."""
         if self.on_gpu:
@@ -244,8 +267,7 @@ class MegatronBackend:
         dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
     def _set_lr(self) -> None:
-        # Constant learning rate after a linear warm-up (paper, appendix A).
-        lr = self.lr * min(1.0, (self.n_steps + 1) / max(1, self.warmup_steps))
+        lr = warmup_lr(self.lr, self.n_steps, self.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -265,7 +287,7 @@ class MegatronBackend:
 
     # ---- weights and state --------------------------------------------------------------
 
-    def save_hf(self, out_dir: str | Path | None) -> None:
+    def save_hf(self, out_dir: Path | None) -> None:
         """Write an HF directory at out_dir; every rank of the model-parallel group calls it
         (ranks other than global rank 0 pass None and only contribute their slices)."""
         save_hf(self.gpt, out_dir, self.shape, self.layout, self.model_dir, self.save_dtype)
@@ -293,9 +315,9 @@ class MegatronBackend:
         self._set_lr()
 
     def _optimizer_file(self) -> str:
-        return f"optimizer-tp{self.layout[1]}-pp{self.layout[3]}"
+        return optimizer_file(self.layout[1], self.layout[3])
 
-    def save_optimizer(self, directory: str | Path | None) -> None:
+    def save_optimizer(self, directory: Path | None) -> None:
         """Every rank of the trainer world calls it together; global rank 0 passes the
         checkpoint directory (being written), the others None.
 
@@ -313,7 +335,7 @@ class MegatronBackend:
             save_rank_state(Path(directory), self._optimizer_file(), state)
         dist.barrier()
 
-    def load_optimizer(self, directory: str | Path) -> None:
+    def load_optimizer(self, directory: Path) -> None:
         """This rank's optimizer file (every data-parallel replica reads its (tp, pp) one);
         collective on GPU (DP rank 0 scatters the sharded state). Call after load_state_dict."""
         state = load_rank_state(Path(directory), self._optimizer_file())

@@ -56,8 +56,10 @@ def forward_backward_pipelined(
     backend,
     micro_batches: Sequence[Sequence[Sequence[int]]],
     loss_fn: LossFn | None = None,
+    starts: Sequence[Sequence[int]] | None = None,
 ) -> list:
-    """forward_backward_loop's contract through Megatron's pipeline schedule (1F1B).
+    """forward_loop's (without loss_fn) or forward_backward_loop's contract through
+    Megatron's pipeline schedule (1F1B).
 
     On the last stage: each micro-batch's log-prob stream without loss_fn (forward only),
     else loss_fn's stats; elsewhere []. Gradients accumulate as with the plain loop; call
@@ -73,7 +75,9 @@ def forward_backward_pipelined(
         output, input_ids, _ = backend._packed_forward(seqs, model)
 
         def loss_func(logits):
-            lp = backend._token_logprobs(logits, input_ids, seqs)
+            lp = backend._token_logprobs(
+                logits, input_ids, seqs, None if starts is None else starts[k]
+            )
             if loss_fn is None:
                 results.append(lp.detach().float().cpu())
                 loss = lp.float().sum() * 0.0

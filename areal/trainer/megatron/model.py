@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from areal.trainer.backend import DTYPES
 from areal.trainer.megatron import cuda_redirect
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ def transformer_config(shape: Qwen2Shape, tp: int, pp: int, dtype: str, on_gpu: 
     weights are initialised on the CPU (the fused kernels are CUDA-only)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    params_dtype = _DTYPES[dtype]
+    params_dtype = DTYPES[dtype]
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,

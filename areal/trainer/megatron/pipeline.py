@@ -32,9 +32,14 @@ from areal.trainer.batching import LossFn
 from areal.trainer.parallel import broadcast_plain
 
 
-def gpipe(backend, micro_batches: Sequence[Sequence[Sequence[int]]], loss_fn: LossFn | None):
-    """forward_backward_loop's contract over the pipeline stages: the results (log-prob
-    streams without loss_fn, else loss_fn's stats) on the last stage, [] elsewhere."""
+def gpipe(
+    backend,
+    micro_batches: Sequence[Sequence[Sequence[int]]],
+    loss_fn: LossFn | None,
+    starts: Sequence[Sequence[int]] | None = None,
+) -> list:
+    """forward_loop's (without loss_fn) or forward_backward_loop's contract over the
+    pipeline stages: the results on the last stage, [] elsewhere."""
     from megatron.core import parallel_state as ps
 
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -56,12 +61,14 @@ def gpipe(backend, micro_batches: Sequence[Sequence[Sequence[int]]], loss_fn: Lo
             out, input_ids, _ = backend._packed_forward(seqs)  # h [T, 1, H] or logits
             if not last:
                 dist.send(out.detach().contiguous(), dst=nxt)
-            elif train:
-                out, stats = loss_fn(k, backend._token_logprobs(out, input_ids, seqs))
-                results.append(stats)
             else:
-                lp = backend._token_logprobs(out, input_ids, seqs)
-                results.append(lp.detach().float().cpu())
+                mb_starts = None if starts is None else starts[k]
+                lp = backend._token_logprobs(out, input_ids, seqs, mb_starts)
+                if train:
+                    out, stats = loss_fn(k, lp)
+                    results.append(stats)
+                else:
+                    results.append(lp.detach().float().cpu())
             inputs.append(h_in)
             outputs.append(out)
     backend.gpt.set_input_tensor(None)

@@ -1,0 +1,157 @@
+"""The trainer backend seam: what trainer/step.py and trainer/worker.py ask of a backend.
+
+    worker.py --make_backend(cfg)--> TorchBackend (torch_backend.py; data-parallel only)
+                                 or  MegatronBackend (megatron/backend.py; TP, PP and DP)
+    step.py   --forward / forward_backward / reduce_grads / optimizer_step--> the backend
+    worker.py --save_hf (publish) / save_optimizer + state_dict (checkpoint)--> the backend
+
+| method              | every rank? | returns / writes                                      |
+|---------------------|-------------|-------------------------------------------------------|
+| forward             | yes         | each micro-batch's log-prob stream (no gradients)     |
+| forward_backward    | yes         | each micro-batch's loss_fn statistics; grads summed   |
+| reduce_grads        | yes         | gradients summed over the data-parallel replicas      |
+| optimizer_step      | yes         | clip + step + zero; the gradient norm before clipping |
+| save_hf             | if collect. | weights/vN/ or a checkpoint's model/ (HF format)      |
+| save_optimizer      | if collect. | the optimizer file(s) of the checkpoint directory     |
+| state_dict          | global 0    | plain values for trainer.json (optimizer step count)  |
+
+"if collect.": with `collective_save` every rank of the trainer world calls it at the same
+point (global rank 0 passes the directory, the others None: each contributes its slice);
+without it global rank 0 alone calls it, with a directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from areal.trainer.batching import LossFn
+from areal.trainer.parallel import DataParallel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Config dtype names (model.dtype, trainer.save_dtype) -> torch dtypes."""
+
+
+def warmup_lr(lr: float, n_steps: int, warmup_steps: int) -> float:
+    """Constant learning rate after a linear warm-up (paper, appendix A); n_steps optimizer
+    steps taken so far."""
+    return lr * min(1.0, (n_steps + 1) / max(1, warmup_steps))
+
+
+def optimizer_file(tp_rank: int = 0, stage: int = 0) -> str:
+    """The checkpoint's name (.safetensors/.json) of the optimizer state of one model-parallel
+    position; a data-parallel-only backend is the single position (0, 0)."""
+    return f"optimizer-tp{tp_rank}-pp{stage}"
+
+
+@runtime_checkable
+class TrainerBackend(Protocol):
+    """A model and its optimizer, trained on packed micro-batches of token sequences.
+
+    A log-prob stream holds L-1 entries per sequence of length L: entry t is
+    log p(token t+1 | tokens <= t) under logits / temperature. `starts[i]` (per sequence)
+    is the first entry the caller reads: entries before it are 0, and a backend skips
+    computing what it can of them.
+    """
+
+    collective_save: bool
+    """True: every rank of the trainer world takes part in save_hf and save_optimizer."""
+
+    def logprobs(
+        self, seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """The log-prob stream of `seqs` packed into one forward (with gradients)."""
+        ...
+
+    def logits(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Full-vocabulary logits [T, V] of the packed stream, without temperature (checks
+        against an HF model)."""
+        ...
+
+    def forward(
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        starts: Sequence[Sequence[int]] | None = None,
+    ) -> list[torch.Tensor]:
+        """Each micro-batch's log-prob stream (float32, CPU, no gradients), on every rank."""
+        ...
+
+    def forward_backward(
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        loss_fn: LossFn,
+        starts: Sequence[Sequence[int]] | None = None,
+    ) -> list[dict[str, float]]:
+        """loss_fn(k, log-prob stream of micro-batch k) -> (loss, stats); loss.backward(),
+        gradients accumulating. Each micro-batch's stats, on every rank."""
+        ...
+
+    def reduce_grads(self, dp: DataParallel) -> None:
+        """Sum the gradients over the data-parallel replicas (a no-op without them)."""
+        ...
+
+    def optimizer_step(self) -> float:
+        """Clip, step, and reset gradients; returns the gradient norm before clipping."""
+        ...
+
+    def save_hf(self, out_dir: Path | None) -> None:
+        """Write an HF model directory at out_dir (None: a collective save's other ranks)."""
+        ...
+
+    def save_optimizer(self, directory: Path | None) -> None:
+        """Write the optimizer state into a checkpoint directory being written (None: a
+        collective save's other ranks); returns once every rank's file is written."""
+        ...
+
+    def load_optimizer(self, directory: Path) -> None:
+        """Every rank: the optimizer state save_optimizer wrote. After load_state_dict."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Global rank 0's plain part of the trainer state (trainer.json)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Every rank: restore state_dict(); a ValueError if the checkpoint cannot resume
+        this run (what to do instead in its message)."""
+        ...
+
+
+def make_backend(
+    cfg, model_dir: str | Path, dp: DataParallel
+) -> tuple[TrainerBackend, DataParallel]:
+    """The backend cfg.trainer.backend names, and `dp` narrowed to its data-parallel group
+    (megatron: the world is tp * pp * dp ranks, gradients are summed over replicas only)."""
+    t = cfg.trainer
+    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
+    common = dict(
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        betas=t.betas,
+        adam_eps=t.adam_eps,
+        grad_clip=t.grad_clip,
+        warmup_steps=int(t.warmup_steps_ratio * n_updates),
+        dtype=cfg.model.dtype,
+        temperature=cfg.rollout.temperature,
+    )
+    # Lazy imports: torch_backend imports this module, and the torch path never imports megatron.
+    if t.backend == "torch":
+        from areal.trainer.torch_backend import TorchBackend
+
+        device = str(dp.device) if dp.device.type == "cuda" else None
+        return TorchBackend(model_dir, device=device, **common), dp
+    assert t.backend == "megatron", t.backend  # TrainerConfig checks the name
+    from areal.trainer.megatron.backend import MegatronBackend, data_parallel_group
+
+    backend = MegatronBackend(
+        model_dir,
+        tp=t.parallel.tp,
+        pp=t.parallel.pp,
+        save_dtype=t.save_dtype,
+        seed=cfg.seed,
+        **common,
+    )
+    return backend, data_parallel_group(dp)
