@@ -75,7 +75,7 @@ def main() -> None:
                 path = publish(root, v, trainer.save_hf)
                 pub.append(ms(start))
                 start = time.perf_counter()
-                ok, message, _ = engine.update_weights(str(path), str(v))
+                ok, message, _ = engine.update_weights(str(path), v)
                 inplace.append(ms(start))
                 assert ok, message
                 start = time.perf_counter()

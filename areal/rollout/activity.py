@@ -11,7 +11,8 @@ A server is "generating" while it holds at least one request and is not paused: 
 from the first request in to the last out, not one per request, so a busy server records
 a handful of lines per weight version whatever its batch size. Requests resubmitted during
 a pause wait in the server; they count only once it continues. Called from the event loop's
-thread only (the aiohttp handlers), so it needs no lock.
+thread only (the aiohttp handlers), so it needs no lock. Versions are the engine's integers
+(the server parsed the wire's strings with sglang_api.parse_weight_version).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from areal import events
 
 
 class ServerActivity:
-    def __init__(self, version: Callable[[], str | int | None]):
+    def __init__(self, version: Callable[[], int | None]):
         self._version = version  # the weights the server holds now
         self._in_flight = 0
         self._generate_start: float | None = None
@@ -47,13 +48,13 @@ class ServerActivity:
 
     def continued(self) -> None:
         if self._pause_start is not None:
-            events.record("pause", self._pause_start, time.time(), version=self._int_version())
+            events.record("pause", self._pause_start, time.time(), version=self._version())
             self._pause_start = None
         if self._in_flight > 0 and self._generate_start is None:
             self._generate_start = time.time()
 
     @contextlib.contextmanager
-    def loading(self, version: str | int | None, interrupting: bool = False) -> Iterator[None]:
+    def loading(self, version: int | None, interrupting: bool = False) -> Iterator[None]:
         """A load span. An interrupting load (abort_all_requests) pauses the server around
         it, unless a /pause_generation already has; a non-interruptible one loads without a
         pause (its requests have drained)."""
@@ -61,7 +62,7 @@ class ServerActivity:
         if own_pause:
             self.paused()
         try:
-            with events.span("load", version=_as_int(version)):
+            with events.span("load", version=version):
                 yield
         finally:
             if own_pause:
@@ -69,18 +70,5 @@ class ServerActivity:
 
     def _end_generate(self) -> None:
         if self._generate_start is not None:
-            events.record(
-                "generate", self._generate_start, time.time(), version=self._int_version()
-            )
+            events.record("generate", self._generate_start, time.time(), version=self._version())
             self._generate_start = None
-
-    def _int_version(self) -> int | None:
-        return _as_int(self._version())
-
-
-def _as_int(version: str | int | None) -> int | None:
-    """SGLang's weight_version is a string; ours are the integers of the trainer."""
-    try:
-        return int(version)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None

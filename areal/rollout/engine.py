@@ -32,7 +32,8 @@ the moment it finishes. Without a pause, an update waits until the running reque
 a request is never generated across a weight change. With pause(mode="in_place"|"retract")
 the kept requests resume on the new weights after continue_generation() and report the new
 version: their earlier tokens came from the old one. pause(mode="abort") returns partial
-outputs with finish_reason abort instead, so nothing crosses a version.
+outputs with finish_reason abort instead, so nothing crosses a version. A weight version is
+the trainer's integer here; the server writes it as SGLang's string (sglang_api.py).
 """
 
 from __future__ import annotations
@@ -52,53 +53,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.rollout.kv_cache import KVCache
+from areal.rollout.sglang_api import PAUSE_MODES, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-@dataclass(kw_only=True)
-class SamplingParams:
-    """The subset of SGLang's sampling parameters that the engine implements."""
-
-    max_new_tokens: int = 128
-    """Generate at most this many tokens (clipped to the model's context length)."""
-    temperature: float = 1.0
-    """0 means greedy; the returned log-probs then use temperature 1."""
-    top_p: float = 1.0
-    """Nucleus sampling mass, in (0, 1]."""
-    top_k: int = -1
-    """Sample among the k most likely tokens; -1 or 0 turns it off."""
-    min_new_tokens: int = 0
-    """EOS and stop tokens are masked out until this many tokens exist."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Extra token ids that end generation (ignored with ignore_eos, as in SGLang)."""
-    stop: list[str] = field(default_factory=list)
-    """Strings that end generation once the decoded output contains them."""
-    ignore_eos: bool = False
-    """Generate until max_new_tokens whatever tokens appear."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(
-                f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}"
-            )
-        if self.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
-            raise ValueError(
-                "sampling_params.min_new_tokens must be between 0 and max_new_tokens, "
-                f"got {self.min_new_tokens}"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-6
 
 
 @dataclass
@@ -113,7 +70,8 @@ class GenerationResult:
     finish_reason: dict[str, Any]
     """{"type": "stop", "matched": id|str} | {"type": "length", "length": n} |
     {"type": "abort", "message": str}"""
-    weight_version: str
+    weight_version: int
+    """The engine's weight version when the request finished (a string only on the wire)."""
     e2e_latency: float
 
 
@@ -158,7 +116,7 @@ class DecodeEngine:
         max_total_tokens: int = 0,
         seed: int = 0,
         num_threads: int = 1,
-        weight_version: str = "default",
+        weight_version: int = 0,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -201,7 +159,7 @@ class DecodeEngine:
         self._stepping = False
         self._stopping = False
         self._model_path = str(model_path)
-        self._weight_version = str(weight_version)
+        self._weight_version = weight_version
         self._counters = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
         self._thread.start()
@@ -309,7 +267,7 @@ class DecodeEngine:
             self._cv.notify_all()
 
     def update_weights(
-        self, model_path: str, weight_version: str | None = None, abort_all_requests: bool = False
+        self, model_path: str, weight_version: int | None = None, abort_all_requests: bool = False
     ) -> tuple[bool, str, int]:
         """Load *.safetensors from model_path into the live model between decode steps.
 
@@ -340,7 +298,7 @@ class DecodeEngine:
                 self._model_path = str(model_path)
                 self._kv_stale = True
                 if weight_version is not None:
-                    self._weight_version = str(weight_version)
+                    self._weight_version = weight_version
                 kept = len(self._running) + len(self._waiting) if self._pause_mode else 0
         finally:
             with self._cv:
@@ -365,7 +323,7 @@ class DecodeEngine:
     # ---- introspection --------------------------------------------------------------------
 
     @property
-    def weight_version(self) -> str:
+    def weight_version(self) -> int:
         return self._weight_version
 
     @property

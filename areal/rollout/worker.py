@@ -1,20 +1,25 @@
 """The rollout worker: one per inference server, between the controller and that server.
 
-    controller --generate(group)--------> worker --POST /generate [G]--> inference server
-               <--- G trajectories ------        <-- output | abort (weight update) --
-    controller --update_weights(v, dir)-> worker --update_weights_from_disk(abort_all_requests)
+    controller --generate(group)--------> worker --generate_batch [G]-------> client --> server
+               <--- G trajectories ------        <-- output | abort (update) --
+    controller --update_weights(v, dir)-> worker --update_weights_from_disk(
+                                                     abort_all_requests)--> client --> server
     controller --wait_ready------------->  (answers once a dead server is back, on the latest v)
+
+client: the worker's InferenceClient (areal/rollout/inference.py), made by the client factory
+of inference.backend (SGLangClient for SGLang and for the embedded server); the worker knows
+no wire format, so another engine is one more client class. server: the inference server.
 
 | loop              | waits for                      | unblocked by                          |
 |-------------------|--------------------------------|---------------------------------------|
-| a group's samples | the server's /generate answer  | each finishing (stop/length) or abort |
+| a group's samples | the client's generate_batch    | each finishing (stop/length) or abort |
 | resumed samples   | the server's new weights       | the weight update finishing           |
-| weight update     | the server to abort and load   | /update_weights_from_disk answering   |
-| recovery          | the restarted server's /health | the launcher restarting it; deadline  |
+| weight update     | the server to abort and load   | update_weights_from_disk answering    |
+| recovery          | the restarted server's health  | the launcher restarting it; deadline  |
 
 Interruptible (the paper): an update aborts in-flight generations; each comes back with its
 partial output, and is resubmitted as prompt + partial output (a group's unfinished samples
-in one batched /generate, as its first request was), which the server holds until it has
+in one generate_batch, as its first request was), which the server holds until it has
 loaded the new weights. Its tokens keep the behaviour log-prob and the version of the
 weights that produced them. Non-interruptible (the paper's ablation): the
 update stops new submissions and waits for the in-flight ones to finish.
@@ -35,7 +40,8 @@ import uuid
 from collections.abc import Callable
 
 from areal import rolelog
-from areal.rollout.client import ServerDied, SGLangClient
+from areal.rollout import inference
+from areal.rollout.inference import ClientFactory, InferenceClient, ServerDied
 from areal.trajectory import Trajectory
 
 log = logging.getLogger("areal.rollout")
@@ -53,6 +59,7 @@ class RolloutWorker:
         self,
         server_url: str,
         *,
+        client_factory: ClientFactory | None = None,
         interruptible: bool = True,
         find_server: Callable[[], str] | None = None,
         update_timeout_s: float = 600.0,
@@ -62,7 +69,9 @@ class RolloutWorker:
         api_key: str | None = None,
     ):
         self.api_key = api_key
-        self.client = SGLangClient(server_url, api_key=api_key)
+        self.client_factory = client_factory or inference.client_factory("embedded")
+        """Makes the client of a server URL: inference.client_factory(inference.backend)."""
+        self.client: InferenceClient = self.client_factory(server_url, api_key=api_key)
         self.interruptible = interruptible
         self.find_server = find_server or (lambda: server_url)
         """The server's current URL (a restarted server may listen on another port)."""
@@ -113,8 +122,8 @@ class RolloutWorker:
 
     async def _sample(self, trajs: list[Trajectory], sampling_params: dict) -> None:
         """Generate into trajs until each finishes, or the server is down. The unfinished
-        ones go to the server as one batched /generate (one HTTP round trip per group, not
-        per sample); the aborted ones are resubmitted together."""
+        ones go to the server as one generate_batch (one round trip per group, not per
+        sample); the aborted ones are resubmitted together."""
         max_new = int(sampling_params["max_new_tokens"])
         rids = {id(t): uuid.uuid4().hex for t in trajs}  # a resumed sample keeps its rid
         todo = [t for t in trajs if not t.finish_reason]
@@ -230,7 +239,7 @@ class RolloutWorker:
                 url = await asyncio.to_thread(self.find_server)
                 if url.rstrip("/") != self.client.base_url:
                     await self.client.close()
-                    self.client = SGLangClient(url, api_key=self.api_key)
+                    self.client = self.client_factory(url, api_key=self.api_key)
                 if await self.client.health():
                     async with self._update_lock:
                         # A restarted server starts from the weights the run started from.

@@ -33,18 +33,10 @@ from typing import Any
 
 from aiohttp import web
 
+from areal.rollout.http_error import BadRequest  # the embedded server's too; OpenAI's body
 from areal.workflow.samples import Call
 
 log = logging.getLogger("areal.workflow")
-
-
-class BadRequest(ValueError):
-    """A request the endpoint refuses, with an HTTP status and OpenAI's error shape."""
-
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status = status
-        self.code = code
 
 
 # ---- protocol: plain functions ------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Request builders and response parsers of the SGLang client, without a server."""
+"""Request builders and response parsers of the SGLang client (sglang_api.py), without a
+server."""
 
 from __future__ import annotations
 
@@ -6,11 +7,18 @@ import copy
 
 import pytest
 
-from areal.rollout.client import (
-    GenerateOutput,
+from areal.rollout.engine import GenerationResult
+from areal.rollout.http_error import BadRequest
+from areal.rollout.inference import GenerateOutput, InferenceClient, client_factory
+from areal.rollout.sglang_api import (
     build_generate_request,
+    build_update_weights_request,
     error_message,
+    format_generate_output,
+    format_weight_version,
+    parse_generate_body,
     parse_generate_response,
+    parse_update_weights_body,
     parse_weight_version,
 )
 
@@ -156,3 +164,61 @@ def test_error_message_reads_both_sglang_error_shapes():
     assert error_message({"object": "error", "message": "bad mode", "code": 400}) == "bad mode"
     assert error_message({"success": False, "message": "no dir /x"}) == "no dir /x"
     assert error_message("plain text") == "plain text"
+
+
+# ---- both halves of the contract: what the embedded server writes, the client reads ------
+
+
+@pytest.mark.parametrize("version", [0, 7, 123])
+def test_weight_version_round_trips_through_the_wire(version):
+    assert format_weight_version(version) == str(version)
+    assert parse_weight_version(format_weight_version(version)) == version
+
+
+@pytest.mark.parametrize("value, expected", [("default", 0), ("v7", 7), (3, 3), (None, None)])
+def test_the_server_reads_weight_versions_as_the_client_does(value, expected):
+    body = {"model_path": "/w/v7", "weight_version": value, "abort_all_requests": True}
+    assert parse_update_weights_body(body) == ("/w/v7", expected, True)
+    if value is not None:
+        assert parse_update_weights_body(build_update_weights_request("/w", expected))[1] == (
+            expected
+        )
+
+
+def test_the_server_refuses_a_non_integer_weight_version():
+    with pytest.raises(BadRequest, match="weight_version 'latest'") as refused:
+        parse_update_weights_body({"model_path": "/w", "weight_version": "latest"})
+    assert refused.value.status == 400
+
+
+def test_a_formatted_generate_output_parses_back():
+    result = GenerationResult(
+        rid="r2",
+        prompt_ids=[1, 2],
+        output_ids=[5, 7],
+        logprobs=[-0.25, -1.0],
+        finish_reason={"type": "stop", "matched": 7},
+        weight_version=4,
+        e2e_latency=0.1,
+    )
+    (spec,), _ = parse_generate_body(
+        {"input_ids": [1, 2], "return_logprob": True, "rid": "r2"}, tokenizer=None
+    )
+    body = format_generate_output(result, spec, tokenizer=None)
+    assert body["meta_info"]["weight_version"] == "4"  # a string on the wire, as SGLang's
+    assert parse_generate_response(body) == GenerateOutput(
+        output_ids=[5, 7],
+        logprobs=[-0.25, -1.0],
+        finish_reason="stop",
+        weight_version=4,
+        completion_tokens=2,
+        rid="r2",
+    )
+
+
+def test_client_factory_by_backend():
+    for backend in ("embedded", "sglang"):
+        factory = client_factory(backend)
+        assert isinstance(factory("http://127.0.0.1:1/", api_key="k"), InferenceClient)
+    with pytest.raises(ValueError, match="inference.backend='vllm'"):
+        client_factory("vllm")

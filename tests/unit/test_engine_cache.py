@@ -140,13 +140,13 @@ def test_weight_update_while_paused_recomputes_the_cache(engine, models, mode):
     _wait_tokens(engine, 30)
     assert engine.pause(mode) == 5
     split = {f"r{i}": len(engine._by_rid[f"r{i}"].output_ids) for i in range(5)}
-    ok, _, kept = engine.update_weights(str(models["dir"] / "weights_b"), "1")
+    ok, _, kept = engine.update_weights(str(models["dir"] / "weights_b"), 1)
     assert ok and kept == 5
     engine.continue_generation()
     for i, (prompt, fut) in enumerate(zip(prompts, futs, strict=True)):
         res = fut.result(timeout=60)
         k = split[f"r{i}"]
-        assert 0 < k < 60 and len(res.output_ids) == 60 and res.weight_version == "1"
+        assert 0 < k < 60 and len(res.output_ids) == 60 and res.weight_version == 1
         _check(models["a"], prompt, res.output_ids, res.logprobs, end=k)
         _check(models["b"], prompt, res.output_ids, res.logprobs, start=k)
 
@@ -158,7 +158,7 @@ def test_pause_abort_then_resume_on_new_weights(engine, models):
     assert engine.pause("abort") == 4
     partial = [f.result(timeout=10) for f in futs]
     assert all(r.finish_reason["type"] == "abort" for r in partial)
-    assert engine.update_weights(str(models["dir"] / "weights_b"), "1")[0]
+    assert engine.update_weights(str(models["dir"] / "weights_b"), 1)[0]
     engine.continue_generation()
     # The rollout worker's resume: prompt + partial output as the new prompt.
     resumed = [
@@ -190,11 +190,11 @@ def test_update_with_abort_all_holds_resubmissions_until_the_new_weights(engine,
     for i, fut in enumerate(futs):
         fut.add_done_callback(functools.partial(resubmit, i))
     _wait_tokens(engine, 20)
-    ok, _, _ = engine.update_weights(str(models["dir"] / "weights_b"), "1", True)
+    ok, _, _ = engine.update_weights(str(models["dir"] / "weights_b"), 1, True)
     assert ok and sorted(resumed) == [0, 1, 2, 3]
     for i, (prompt, fut) in enumerate(zip(prompts, futs, strict=True)):
         part, res = fut.result(), resumed[i].result(timeout=60)
-        assert 0 < len(part.output_ids) < 70 and res.weight_version == "1"
+        assert 0 < len(part.output_ids) < 70 and res.weight_version == 1
         _check(models["a"], prompt, part.output_ids, part.logprobs)
         _check(models["b"], prompt + part.output_ids, res.output_ids, res.logprobs)
 

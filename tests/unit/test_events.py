@@ -97,7 +97,7 @@ def _kinds(log) -> list[tuple[str, int | None]]:
 
 
 def test_server_lane_generate_pause_load_continue(event_log):
-    version = {"v": "0"}
+    version = {"v": 0}
     activity = ServerActivity(lambda: version["v"])
     activity.request_started()
     activity.request_started()
@@ -106,8 +106,8 @@ def test_server_lane_generate_pause_load_continue(event_log):
     activity.paused()  # an update: the generate span ends, the pause begins
     activity.request_finished()  # the aborted request returns during the pause
     activity.request_started()  # and is resubmitted: held, not generating
-    with activity.loading("1"):
-        version["v"] = "1"
+    with activity.loading(1):
+        version["v"] = 1
     activity.continued()  # the held request generates again, under version 1
     activity.request_finished()
     assert _kinds(event_log) == [("generate", 0), ("load", 1), ("pause", 1), ("generate", 1)]
