@@ -137,7 +137,7 @@ class RolloutConfig(_Section):
     interruptible: bool = True
     """A weight update aborts in-flight generations and resumes them under the new weights; false waits for them."""  # noqa: E501
     workflow: str = "areal.workflow.single_turn:SingleTurnWorkflow"
-    """The episode, as "package.module:object": an object with arun_episode(engine, data), or an agent's async run(data, client) (areal/workflow/)."""  # noqa: E501
+    """The episode, as "package.module:object": a subclass of areal.workflow.Workflow (arun_episode(engine, data)), or an agent's async run(data, client) (areal/workflow/)."""  # noqa: E501
     sample_mode: str = "individual"
     """Agents' training samples: individual (one per LLM call) or concat (one per episode, where its calls append to each other)."""  # noqa: E501
     max_turns: int = 8

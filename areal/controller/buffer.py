@@ -28,24 +28,24 @@ class _Slot:
 
 class ReplayBuffer:
     def __init__(self) -> None:
-        self._slots: dict[int, _Slot] = {}
-        self._next_index = 0
+        self._slots: dict[int, _Slot] = {}  # by group id
+        self._next_group_id = 0
 
     def reserve(self, start_version: int) -> int:
-        """Register a group that starts generating; returns its index (start order)."""
-        index = self._next_index
-        self._next_index += 1
-        self._slots[index] = _Slot(start_version)
-        return index
+        """Register a group that starts generating; returns its group id (start order)."""
+        group_id = self._next_group_id
+        self._next_group_id += 1
+        self._slots[group_id] = _Slot(start_version)
+        return group_id
 
-    def put(self, index: int, group: list[Trajectory]) -> None:
+    def put(self, group_id: int, group: list[Trajectory]) -> None:
         """The group finished generating and was graded."""
-        assert self._slots[index].group is None, "a group was put twice"
-        self._slots[index].group = group
+        assert self._slots[group_id].group is None, "a group was put twice"
+        self._slots[group_id].group = group
 
-    def discard(self, index: int) -> None:
+    def discard(self, group_id: int) -> None:
         """The group was rejected: it will never be trained on."""
-        del self._slots[index]
+        del self._slots[group_id]
 
     def __len__(self) -> int:
         """Groups ready to train on."""
@@ -80,10 +80,10 @@ class ReplayBuffer:
     def state_dict(self) -> dict:
         """Ready groups only: groups in flight at a checkpoint are generated again."""
         return {
-            "next_index": self._next_index,  # group ids are never reused, resumes included
+            "next_group_id": self._next_group_id,  # never reused, resumes included
             "groups": [
                 {
-                    "index": i,
+                    "group_id": i,
                     "start_version": s.start_version,
                     "group": [t.to_wire() for t in s.group],
                 }
@@ -93,8 +93,11 @@ class ReplayBuffer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._slots = {
-            g["index"]: _Slot(g["start_version"], [Trajectory.from_wire(t) for t in g["group"]])
-            for g in state["groups"]
-        }
-        self._next_index = max(state.get("next_index", 0), max(self._slots, default=-1) + 1)
+        self._slots = {}
+        for g in state["groups"]:
+            # "index" and "next_index": checkpoints written before the group id had its name.
+            group_id = g["group_id"] if "group_id" in g else g["index"]
+            group = [Trajectory.from_wire(t) for t in g["group"]]
+            self._slots[group_id] = _Slot(g["start_version"], group)
+        saved = state.get("next_group_id", state.get("next_index", 0))
+        self._next_group_id = max(saved, max(self._slots, default=-1) + 1)

@@ -1,28 +1,29 @@
-"""The rollout controller: dataset -> generate -> reward -> buffer -> trainer.
+"""The rollout controller: the staleness gate, the replay buffer, and the episodes between.
 
-    dataset --row--> [staleness gate] --workflow.arun_episode(engine, row)--+
-                                          engine.generate --> rollout worker k
-                                          engine.grade    --> reward service  |
-    trainer <--get_batch(i)-- [replay buffer] <--- the row's trajectories ----+
-    trainer --weights_ready(i+1)--> update every worker --> gate.on_version(i+1)
-    (router.py picks the worker of a group: the least loaded alive; a dead server's samples
-     come back unfinished and resume on another, until its worker answers wait_ready)
+    Draws (draws.py) --row--> [staleness gate] --admit--> episode (one group):
+                                                workflow.arun_episode(engine, row)
+                                                  engine.generate --> WorkerPool (pool.py)
+                                                  engine.grade    --> reward service
+    trainer <--get_batch(i)-- [replay buffer] <---- the group's trajectories --'
+    trainer --weights_ready(i+1)--> WorkerPool.update_weights --> gate.on_version(i+1)
 
 | loop            | waits for                                   | unblocked by                 |
 |-----------------|---------------------------------------------|------------------------------|
-| admit           | gate capacity (staleness bound, in-flight)  | a finished group, a version  |
-| one group       | its episode (workflow): workers, grader     | their replies, or its timeout|
+| admit_loop      | gate capacity (staleness bound, in-flight)  | a finished group, a version  |
+| one group       | its episode: the worker pool, the grader    | their replies, or its timeout|
 | get_batch(i)    | a batch the buffer may hand out at i        | a finished group             |
-| weight update   | every worker to load version i              | their replies                |
-| dead server     | its worker's wait_ready (restart + reload)  | the launcher restarting it   |
+| weight update   | the pool: every worker to load version i    | their replies                |
 
 The episode is pluggable (rollout.workflow, areal/workflow/): the default samples G
 single-turn responses and grades them; an agent's episodes call the model through an
-OpenAI-compatible endpoint. One admitted row is one unit of the gate, however many calls
-its episodes make. A rejected or timed-out unit frees its place and its row comes back.
+OpenAI-compatible endpoint. One admitted row is one group, which the gate counts once
+however many calls its episodes make. A rejected or timed-out group frees its place and its row is
+drawn again; routing, failover and the weight fan-out are the pool's (pool.py).
 
-Everything runs on one asyncio loop, so the gate and the buffer need no lock: their
-state changes only between awaits, and `changed` wakes whoever waits on them.
+Everything runs on one asyncio loop, so the gate, the buffer and the draws need no lock:
+their state changes only between awaits, and `changed` wakes whoever waits on them. The
+checkpoint state is theirs: the dataset position with the draws to generate again, and
+the buffer's ready groups.
 """
 
 from __future__ import annotations
@@ -31,22 +32,20 @@ import asyncio
 import functools
 import logging
 import os
-import random
 import signal
 import time
 from pathlib import Path
 
-from areal import events, rolelog
 from areal.checkpoint import Checkpoint
 from areal.comm.registry import Registry
 from areal.comm.rpc import RpcClient, RpcServer
 from areal.comm.wire import pack, unpack
 from areal.controller.buffer import ReplayBuffer
-from areal.controller.router import Router
+from areal.controller.draws import Draws
+from areal.controller.pool import WorkerPool
 from areal.controller.staleness import StalenessGate
 from areal.process import RESTARTS_ENV
 from areal.trajectory import Trajectory
-from areal.weights import retire_older_than
 from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, Workflow, load_workflow
 
 log = logging.getLogger("areal.controller")
@@ -59,30 +58,26 @@ class Controller:
         rows: list[dict],
         tokenizer,
         workers: list[RpcClient],
-        reward: RpcClient,
+        reward: RpcClient | None,
         workflow: Workflow | None = None,
     ):
         self.cfg = cfg
         self.workflow = workflow or load_workflow(cfg.rollout.workflow, cfg.rollout)
+        assert isinstance(self.workflow, Workflow), "workflows subclass areal.workflow.Workflow"
         self.episodes = EpisodeRunner(self.workflow, cfg.rollout.episode_timeout_s)
         self.rows = rows
         self.tokenizer = tokenizer
-        self.workers = workers
         self.reward = reward
+        self.pool = WorkerPool(workers, cfg.exp_dir)
+        self.draws = Draws(rows, cfg.seed)
         self.gate = StalenessGate(
             cfg.trainer.batch_size, cfg.max_staleness, cfg.rollout.max_concurrent
         )
         self.buffer = ReplayBuffer()
         self.changed = asyncio.Condition()
-        self.router = Router(len(workers))
-        self._watchers: dict[int, asyncio.Task] = {}  # dead server -> waiting for it to be back
-        self._resubmitted = 0  # samples resumed on another server, since the last step
-        self._retry: list[dict] = []  # prompts whose group failed: generated again first
-        self._rows_in_flight: dict[int, dict] = {}  # buffer index -> its prompt
-        self._epoch = 0
-        self._pos = 0
-        self._order = self._epoch_order(0)
-        self._update_lock = asyncio.Lock()
+        """Notified whenever the gate, the buffer or the draws change."""
+        self._update_lock = asyncio.Lock()  # versions load, and the gate moves, in order
+        self._updates: set[asyncio.Task] = set()
         self._tokens_generated = 0
         self._last_stats_time = time.time()
         self.restarts = int(os.environ.get(RESTARTS_ENV, "0"))
@@ -94,135 +89,75 @@ class Controller:
             "top_k": cfg.rollout.top_k,
         }
 
-    # ---- admission -------------------------------------------------------------------
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(self.cfg.seed + epoch).shuffle(order)
-        return order
-
-    def _next_row(self) -> dict:
-        if self._retry:
-            return self._retry.pop(0)
-        draw = self._epoch * len(self.rows) + self._pos
-        row = {**self.rows[self._order[self._pos]], "draw_id": draw}
-        self._pos += 1
-        if self._pos == len(self._order):
-            self._epoch, self._pos = self._epoch + 1, 0
-            self._order = self._epoch_order(self._epoch)
-        return row
-
+    # ---- admission: the controller's loop ----------------------------------------------
     async def admit_loop(self) -> None:
-        tasks: set[asyncio.Task] = set()
+        """Whenever the gate allows, admit the next row; its group's episode runs alone."""
+        running: set[asyncio.Task] = set()
         try:
-            await self._admit_forever(tasks)
+            while True:
+                group = await self.admit()
+                running.add(group)
+                group.add_done_callback(running.discard)
         finally:
-            for t in tasks:
-                t.cancel()
+            for group in running:
+                group.cancel()
 
-    async def _admit_forever(self, tasks: set[asyncio.Task]) -> None:
-        while True:
-            async with self.changed:
-                await self.changed.wait_for(lambda: self.gate.capacity() > 0)
-                start_version = self.gate.on_rollout_submitted()
-                index = self.buffer.reserve(start_version)
-                row = self._rows_in_flight[index] = self._next_row()
-            task = asyncio.create_task(self._rollout_group(index, row, start_version))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+    async def admit(self) -> asyncio.Task[list[Trajectory] | None]:
+        """Wait for the gate, draw the next row and start its group's episode.
 
-    async def _rollout_group(self, index: int, row: dict, start_version: int) -> None:
+        The task returns the group's trajectories once they are in the buffer, or None
+        where the episode declined the row (used up) or failed (the row is drawn again).
+        """
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.gate.capacity() > 0)
+            start_version = self.gate.on_rollout_submitted()
+            group_id = self.buffer.reserve(start_version)
+            row = self.draws.next()
+        return asyncio.create_task(self._run_group(group_id, row, start_version))
+
+    async def _run_group(
+        self, group_id: int, row: dict, start_version: int
+    ) -> list[Trajectory] | None:
         engine = RolloutEngine(
             tokenizer=self.tokenizer,
             group_size=self.cfg.rollout.group_size,
             sampling_params=self.sampling,
-            group_id=index,
+            group_id=group_id,
             start_version=start_version,
-            generate_fn=functools.partial(self._generate, index, start_version),
+            generate_fn=functools.partial(self.pool.generate, group_id, start_version),
             grade_fn=self._grade,
         )
+        failed = False
         try:
             trajs = await self.episodes.run(engine, row)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             if not isinstance(e, EpisodeError):  # EpisodeRunner logged the others already
-                log.warning("group %d failed (%s); its prompt will be generated again", index, e)
-            async with self.changed:
-                self.gate.on_rollout_rejected()
-                self.buffer.discard(index)
-                self._retry.append(self._rows_in_flight.pop(index))
-                self.changed.notify_all()
-            return
-        if trajs is None:  # declined by the workflow: the row is used up
-            async with self.changed:
-                self.gate.on_rollout_rejected()
-                self.buffer.discard(index)
-                self._rows_in_flight.pop(index)
-                self.changed.notify_all()
-            return
-        for t in trajs:  # the buffer's group, whatever the workflow wrote
-            t.group_id, t.start_version = index, start_version
-            t.draw_id = row["draw_id"]
+                log.warning("group %d failed (%s); its prompt will be generated again", group_id, e)
+            trajs, failed = None, True
         async with self.changed:
-            # In one step with the buffer, so a checkpoint sees the group in exactly one place.
-            self._rows_in_flight.pop(index)
-            self._tokens_generated += sum(t.n_generated for t in trajs)
-            self.gate.on_rollout_accepted()
-            self.buffer.put(index, trajs)
+            # In one step with the buffer, so a checkpoint sees the row in exactly one place.
+            if trajs is None:  # failed, or declined by the workflow (a filter)
+                self.gate.on_rollout_rejected()
+                self.buffer.discard(group_id)
+                if failed:
+                    self.draws.give_back(row)
+                else:
+                    self.draws.used(row)
+            else:
+                for t in trajs:  # the buffer's group, whatever the workflow wrote
+                    t.group_id, t.start_version = group_id, start_version
+                    t.draw_id = row["draw_id"]
+                self.draws.used(row)
+                self._tokens_generated += sum(t.n_generated for t in trajs)
+                self.gate.on_rollout_accepted()
+                self.buffer.put(group_id, trajs)
             self.changed.notify_all()
+        return trajs
 
     async def _grade(self, task: str, responses: list[str], answer) -> list[float]:
         return await self.reward.call("grade", task=task, responses=responses, answer=answer)
-
-    async def _generate(
-        self, index: int, start_version: int, prompt_ids: list[int], n: int, sampling: dict
-    ) -> list[Trajectory]:
-        """n finished trajectories continuing prompt_ids, on one server; samples a dead
-        server left unfinished are resumed, with their partial output, on another."""
-        done: list[Trajectory] = []
-        partial: list[dict] | None = None  # None: nothing generated yet
-        k = None
-        while True:
-            async with self.changed:
-                await self.changed.wait_for(self.router.any_alive)
-                k = self.router.pick(preferred=k)
-                self.router.load[k] += 1
-            try:
-                wire = await self.workers[k].call(
-                    "generate",
-                    group_id=index,
-                    prompt_ids=prompt_ids,
-                    n=n,
-                    sampling_params=sampling,
-                    start_version=start_version,
-                    partial=partial,
-                )
-            finally:
-                self.router.load[k] -= 1
-            trajs = [Trajectory.from_wire(w) for w in wire]
-            done += [t for t in trajs if t.finish_reason]
-            partial = [t.to_wire() for t in trajs if not t.finish_reason]
-            if not partial:
-                return done
-            self._server_down(k)
-            self._resubmitted += len(partial)
-
-    def _server_down(self, k: int) -> None:
-        """Route around server k until its worker says it serves again."""
-        self.router.mark_dead(k)
-        if k not in self._watchers:
-            log.warning("inference server %d is down; routing around it until it is back", k)
-            self._watchers[k] = asyncio.create_task(self._wait_back(k))
-
-    async def _wait_back(self, k: int) -> None:
-        try:
-            reply = await self.workers[k].call("wait_ready")
-        finally:
-            del self._watchers[k]
-        async with self.changed:
-            self.router.mark_alive(k, reply["version"])
-            self.changed.notify_all()
-        log.info("inference server %d is back at version %d", k, reply["version"])
 
     # ---- trainer-facing RPCs ---------------------------------------------------------
     async def get_batch(self, version: int) -> dict:
@@ -251,40 +186,40 @@ class Controller:
         now = time.time()
         elapsed, self._last_stats_time = now - self._last_stats_time, now
         tokens, self._tokens_generated = self._tokens_generated, 0
-        resubmitted, self._resubmitted = self._resubmitted, 0
-        worker_stats = await asyncio.gather(*(w.call("stats") for w in self.workers))
+        pool_stats = await self.pool.stats()
         reward_stats = await self.reward.call("stats")
         return {
-            "rollout/interrupted": sum(s["n_interrupted"] for s in worker_stats),
+            **pool_stats,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/groups_in_flight": self.buffer.n_in_flight,
             "rollout/groups_ready": len(self.buffer),
-            "rollout/servers_alive": sum(self.router.alive),
-            # The oldest weights a serving server holds (as it acknowledged them).
-            "rollout/server_version_min": min(
-                (v for v, ok in zip(self.router.version, self.router.alive, strict=True) if ok),
-                default=-1,
-            ),
-            "rollout/resubmitted": resubmitted,
             "reward/timeouts": reward_stats["timeouts"],
             "reward/errors": reward_stats["errors"],
             **self.episodes.stats(),
-            **(self.workflow.stats() if hasattr(self.workflow, "stats") else {}),
+            **self.workflow.stats(),
         }
 
+    async def weights_ready(self, version: int, path: str) -> dict:
+        """The trainer published `version`: load it on every server, in the background."""
+        task = asyncio.create_task(self._load_version(version, path))
+        self._updates.add(task)
+        task.add_done_callback(self._updates.discard)
+        return {}
+
+    async def _load_version(self, version: int, path: str) -> None:
+        async with self._update_lock:
+            await self.pool.update_weights(version, path)
+            async with self.changed:
+                self.gate.on_version(version)
+                self.changed.notify_all()
+
+    # ---- checkpoint state -------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a resumed run needs: groups in flight are generated again from their prompts."""
-        return {
-            "epoch": self._epoch,
-            "pos": self._pos,
-            "retry": list(self._rows_in_flight.values()) + self._retry,
-            "buffer": self.buffer.state_dict(),
-        }
+        """What a resumed run needs: groups in flight are generated again from their rows."""
+        return {**self.draws.state_dict(), "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict, version: int) -> None:
-        self._epoch, self._pos = state["epoch"], state["pos"]
-        self._order = self._epoch_order(self._epoch)
-        self._retry = list(state["retry"])
+        self.draws.load_state_dict(state)
         self.buffer.load_state_dict(state["buffer"])
         # Rebuilt from the version, never carried over: in-flight groups were lost.
         self.gate = StalenessGate(
@@ -299,32 +234,6 @@ class Controller:
         """Write the controller's part of a checkpoint (the trainer commits it)."""
         Path(path).write_bytes(pack(self.state_dict()))
         return {}
-
-    async def weights_ready(self, version: int, path: str) -> dict:
-        """The trainer published `version`: load it on every server, in the background."""
-        asyncio.create_task(self._update_weights(version, path))
-        return {}
-
-    async def _update_weights(self, version: int, path: str) -> None:
-        async with self._update_lock:  # versions are loaded in order
-            t0 = time.time()
-            replies = await asyncio.gather(
-                *(w.call("update_weights", version=version, path=path) for w in self.workers)
-            )
-            events.record("update_weights", t0, time.time(), version=version)
-            rolelog.set_context(version=version)
-            log.info("version %d loaded by the servers in %.2fs", version, time.time() - t0)
-            async with self.changed:
-                for k, reply in enumerate(replies):
-                    if reply["loaded"]:
-                        self.router.version[k] = reply["version"]
-                    else:  # down: it loads the newest version before it serves again
-                        self._server_down(k)
-                self.gate.on_version(version)
-                self.changed.notify_all()
-            # Every server serving holds `version`, and one that comes back loads the newest
-            # first: older directories are no longer needed.
-            retire_older_than(self.cfg.exp_dir, version)
 
 
 async def run_controller(
@@ -369,7 +278,7 @@ async def run_controller(
         stopped.cancel()
         server.close()
         await asyncio.gather(serve, admit, stopped, return_exceptions=True)
+        controller.pool.close()
         for c in [*workers, reward]:
             c.close()
-        if hasattr(controller.workflow, "aclose"):  # an agent's endpoint
-            await controller.workflow.aclose()
+        await controller.workflow.aclose()

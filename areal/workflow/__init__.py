@@ -1,11 +1,10 @@
 """Episodes: what one admitted row of the dataset turns into (see api.py).
 
     rollout.workflow = "package.module:object" names one of:
-    - an object (or a class, made without arguments) with
-      `async arun_episode(engine, data) -> list[Trajectory] | None`, or a module-level
-      `async def arun_episode(engine, data)`: token in, token out (api.py);
-    - anything else callable, or an object with `run`: an agent,
-      `async run(data, client) -> float | dict[str, float]`, run against an
+    - a subclass of `Workflow` (made without arguments) or an instance of one:
+      `async arun_episode(engine, data) -> list[Trajectory] | None`, token in, token out,
+      with optional `stats()` and `async aclose()` hooks (api.py);
+    - an agent, `async def run(data, client) -> float | dict[str, float]`, run against an
       OpenAI-compatible endpoint that records the tokens of every call (agent.py).
 
 single_turn.py is the default: today's math / code / arith path.
@@ -43,26 +42,16 @@ def resolve(spec: str) -> Any:
 def load_workflow(spec: str, rollout_cfg=None) -> Workflow:
     """The workflow rollout.workflow names (agents need rollout_cfg: turns, discount, mode)."""
     obj = resolve(spec)
-    if inspect.isclass(obj) and hasattr(obj, "arun_episode"):
+    if inspect.isclass(obj) and issubclass(obj, Workflow):
         return obj()
-    if hasattr(obj, "arun_episode"):
+    if isinstance(obj, Workflow):
         return obj
-    if inspect.iscoroutinefunction(obj) and obj.__name__ == "arun_episode":
-        return _FunctionWorkflow(obj)
-    run = obj.run if hasattr(obj, "run") and not inspect.isfunction(obj) else obj
-    if not callable(run):
-        raise ValueError(
-            f"rollout.workflow={spec!r} is neither a workflow (arun_episode(engine, data)) "
-            "nor an agent (async run(data, client))"
-        )
-    from areal.workflow.agent import AgentWorkflow
+    if inspect.iscoroutinefunction(obj):
+        from areal.workflow.agent import AgentWorkflow
 
-    return AgentWorkflow(run, rollout_cfg)
-
-
-class _FunctionWorkflow:
-    def __init__(self, fn):
-        self.fn = fn
-
-    async def arun_episode(self, engine, data):
-        return await self.fn(engine, data)
+        return AgentWorkflow(obj, rollout_cfg)
+    raise ValueError(
+        f"rollout.workflow={spec!r} names {obj!r:.80}, which is neither a workflow (a subclass "
+        "of areal.workflow.Workflow with async arun_episode(engine, data), or an instance of "
+        "one) nor an agent (async def run(data, client))"
+    )

@@ -7,7 +7,7 @@
 
 `client` is an `openai.AsyncOpenAI` whose API key is the episode's session token: the agent
 imports nothing of ours. An episode that raises, returns garbage or makes more than
-rollout.max_turns calls fails its whole group (one unit of the staleness gate): the
+rollout.max_turns calls fails its whole group (which the staleness gate counts once): the
 controller rejects it and generates its row again. Counted per step: episodes that fell
 back from concat (`rollout/concat_fallbacks`), their returns and calls
 (`episode/return_mean`: undiscounted sum of the rewards, `episode/calls_mean`).
@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+from areal.config import RolloutConfig
 from areal.trajectory import Trajectory
-from areal.workflow.api import EpisodeError, RolloutEngine
+from areal.workflow.api import EpisodeError, RolloutEngine, Workflow
 from areal.workflow.openai_endpoint import OpenAIEndpoint, Session
 from areal.workflow.samples import (
     Call,
@@ -33,14 +36,14 @@ from areal.workflow.samples import (
 log = logging.getLogger("areal.workflow")
 
 
-class AgentWorkflow:
-    def __init__(self, run, rollout_cfg=None):
-        if rollout_cfg is None:
-            from areal.config import RolloutConfig
+AgentRun = Callable[[dict, Any], Awaitable[float | dict[str, float]]]
+"""`async def run(data, client) -> reward(s)`: an agent, as the user writes it."""
 
-            rollout_cfg = RolloutConfig()
+
+class AgentWorkflow(Workflow):
+    def __init__(self, run: AgentRun, rollout_cfg: RolloutConfig | None = None):
         self.run = run
-        self.cfg = rollout_cfg
+        self.cfg = rollout_cfg or RolloutConfig()
         self.endpoint: OpenAIEndpoint | None = None
         self._client = None
         self._start_lock = asyncio.Lock()

@@ -1,25 +1,29 @@
-"""The workflow API: what one admitted unit of rollout does, token in, token out.
+"""The workflow API: what one admitted row of the dataset turns into, token in, token out.
 
-    controller --admit(row)--> run_episode(workflow, engine, row) --> list[Trajectory]
-                                   | engine.generate(ids, n) --> router --> rollout worker k
-                                   | engine.grade(...)        --> reward service
-                                   '--> None (declined) | EpisodeError (rejected, retried)
+    Controller.admit() --row--> EpisodeRunner.run(engine, row)
+        workflow.arun_episode(engine, row) --> list[Trajectory] (its group) | None (declined)
+            | engine.generate(ids, n) --> WorkerPool --> rollout worker k
+            | engine.grade(...)       --> reward service
+        an exception or a timeout --> EpisodeError (rejected; the row is drawn again)
 
-A workflow is an object with `async arun_episode(engine, data) -> list[Trajectory] | None`.
-`engine.generate` goes through the same interruptible, failover-safe path as the default
-single-turn episode: each returned token carries its behaviour log-prob and version.
+A workflow subclasses `Workflow`: `async arun_episode(engine, data)` is the episode, and
+`stats()` (metrics since the previous step) and `async aclose()` (the run ends) are hooks
+that default to nothing. `engine.generate` goes through the same interruptible,
+failover-safe path as the default single-turn episode: each returned token carries its
+behaviour log-prob and version.
 
-Outcomes, as the controller treats them (the gate counts one admitted row as one unit):
+Outcomes, as the controller treats them (the gate counts one admitted row as one group):
 - trajectories: checked here (lengths line up, rewards finite), then buffered;
 - None: the workflow declined the row (a filter): its place in the gate is freed and the
-  row is consumed, counted in `rollout/episodes_declined`;
-- an exception, or running past `rollout.episode_timeout_s`: the row is rejected, its
-  place in the gate freed and the row generated again later; counted in
+  row is used up, counted in `rollout/episodes_declined`;
+- an exception, or running past `rollout.episode_timeout_s`: the group is rejected, its
+  place in the gate freed and the row drawn again later; counted in
   `rollout/episodes_rejected` / `rollout/episodes_timeout`, the traceback logged once.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import math
@@ -27,7 +31,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from areal.trajectory import Trajectory
 
@@ -49,8 +53,8 @@ class EpisodeTimeout(EpisodeError):
 class RolloutEngine:
     """What an episode may use: generation through the run's servers, and its grader.
 
-    One engine per admitted row: every trajectory it returns belongs to `group_id` and was
-    admitted under `start_version`.
+    One engine per admitted row: every trajectory it returns belongs to the group
+    `group_id` (the samples of that row's prompt), admitted under `start_version`.
     """
 
     tokenizer: Any
@@ -83,10 +87,22 @@ class RolloutEngine:
         return await self.grade_fn(task, responses, answer)
 
 
+@runtime_checkable
 class Workflow(Protocol):
+    """The episode seam. Subclass it: `arun_episode` is yours to write, the hooks default
+    to nothing (a class that only looks like one is refused by `load_workflow`)."""
+
+    @abc.abstractmethod
     async def arun_episode(self, engine: RolloutEngine, data: dict) -> list[Trajectory] | None:
-        """The trajectories of one admitted row, or None to decline it."""
-        ...
+        """The trajectories of one admitted row (its group), or None to decline the row."""
+
+    def stats(self) -> dict[str, float]:
+        """Metrics since the previous call, merged into the step's (`get_batch`)."""
+        return {}
+
+    async def aclose(self) -> None:
+        """Release what the episodes set up (an endpoint, clients): the run ends."""
+        return None
 
 
 def check_trajectories(trajs: Any) -> list[Trajectory]:
@@ -116,7 +132,8 @@ def check_trajectories(trajs: Any) -> list[Trajectory]:
 
 
 class EpisodeRunner:
-    """Runs one unit under the time limit, checks its result, counts and logs failures."""
+    """Runs one group's episode under the time limit, checks its result, counts and logs
+    failures."""
 
     def __init__(self, workflow: Workflow, timeout_s: float):
         self.workflow = workflow
@@ -125,7 +142,7 @@ class EpisodeRunner:
         self._logged: set[str] = set()
 
     async def run(self, engine: RolloutEngine, data: dict) -> list[Trajectory] | None:
-        """Trajectories, None (declined) or EpisodeError (rejected; its row comes back)."""
+        """Trajectories, None (declined) or EpisodeError (rejected; its row is drawn again)."""
         deadline = time.monotonic() + self.timeout_s
         try:
             result = await asyncio.wait_for(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from areal.trajectory import Trajectory
 
@@ -68,26 +68,16 @@ def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
 
 
 def individual_samples(calls: Sequence[Call], returns: Sequence[float]) -> list[Trajectory]:
-    """One sample per call, its reward the call's return."""
-    out = []
-    for call, ret in zip(calls, returns, strict=True):
-        t = call.traj
-        out.append(
-            Trajectory(
-                group_id=t.group_id,
-                prompt_ids=list(t.prompt_ids),
-                output_ids=list(t.output_ids),
-                logprobs=list(t.logprobs),
-                versions=list(t.versions),
-                finish_reason=t.finish_reason,
-                reward=ret,
-                start_version=t.start_version,
-                n_interrupts=t.n_interrupts,
-                t_start=t.t_start,
-                t_end=t.t_end,
-            )
-        )
-    return out
+    """One sample per call: the call's trajectory, every field kept, its reward the return."""
+    return [
+        replace(call.traj, reward=ret, **_own_lists(call.traj))
+        for call, ret in zip(calls, returns, strict=True)
+    ]
+
+
+def _own_lists(t: Trajectory) -> dict[str, list]:
+    """Copies of t's token lists: a sample never shares them with the recorded call."""
+    return {f.name: list(v) for f in fields(t) if isinstance(v := getattr(t, f.name), list)}
 
 
 def concat_sample(calls: Sequence[Call], returns: Sequence[float]) -> Trajectory | None:
@@ -97,12 +87,16 @@ def concat_sample(calls: Sequence[Call], returns: Sequence[float]) -> Trajectory
         return None
     first = calls[0].traj
     seq = list(first.prompt_ids)
-    out = Trajectory(
-        group_id=first.group_id,
+    # The first call's fields (group, draw, start version and time); its output is the loop's.
+    out = replace(
+        first,
         prompt_ids=list(first.prompt_ids),
+        output_ids=[],
+        logprobs=[],
+        versions=[],
+        loss_mask=[],
+        n_interrupts=0,
         reward=returns[0],
-        start_version=first.start_version,
-        t_start=first.t_start,
     )
     for i, call in enumerate(calls):
         t = call.traj

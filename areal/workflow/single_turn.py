@@ -9,10 +9,10 @@ The math, code and arith tasks all run this way; the grader is picked by the row
 from __future__ import annotations
 
 from areal.trajectory import Trajectory
-from areal.workflow.api import RolloutEngine
+from areal.workflow.api import RolloutEngine, Workflow
 
 
-class SingleTurnWorkflow:
+class SingleTurnWorkflow(Workflow):
     async def arun_episode(self, engine: RolloutEngine, data: dict) -> list[Trajectory]:
         trajs = await engine.generate(data["prompt_ids"], n=engine.group_size)
         # Graded on text (a grader reads answers), trained on the recorded tokens.

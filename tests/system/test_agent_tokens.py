@@ -61,15 +61,9 @@ def make_controller(agent, workers, tokenizer, *overrides: str) -> Controller:
     )
 
 
-async def run_unit(c: Controller) -> list:
+async def run_group(c: Controller) -> list | None:
     """One admitted row through the controller's own path; its buffered group or None."""
-    async with c.changed:
-        start = c.gate.on_rollout_submitted()
-        index = c.buffer.reserve(start)
-        row = c._rows_in_flight[index] = c._next_row()
-    await c._rollout_group(index, row, start)
-    slot = c.buffer._slots.get(index)
-    return slot.group if slot else None
+    return await (await c.admit())
 
 
 class Served:
@@ -145,17 +139,17 @@ def test_individual_samples_are_token_exact_across_a_weight_update(random_versio
             # Every call runs to its max_tokens, so the update surely lands inside call 2.
             c.sampling["ignore_eos"] = True
             start = await generated(url)
-            unit = asyncio.create_task(run_unit(c))
+            group_run = asyncio.create_task(run_group(c))
             deadline = asyncio.get_running_loop().time() + 60
             while await generated(url) < start + max_tokens[0] + 10:
                 assert asyncio.get_running_loop().time() < deadline, "no progress"
-                assert not unit.done(), unit
+                assert not group_run.done(), group_run
                 await asyncio.sleep(0.01)
             reply = await served.client.call(
                 "update_weights", version=1, path=str(random_versions[1])
             )
             assert reply["loaded"]
-            group = await asyncio.wait_for(unit, 60)
+            group = await asyncio.wait_for(group_run, 60)
             return group, c
         finally:
             await served.close()
@@ -220,7 +214,7 @@ def test_concat_one_sequence_or_fallback(warm_model, tmp_path, template):
                 tokenizer,
                 "rollout.sample_mode=concat",
             )
-            return await asyncio.wait_for(run_unit(c), 60), c.workflow.stats()
+            return await asyncio.wait_for(run_group(c), 60), c.workflow.stats()
         finally:
             await served.close()
 
@@ -350,7 +344,7 @@ def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
             )
             capacity = c.gate.capacity()
             row = c.rows[0]
-            groups = [await run_unit(c) for _ in range(2)]
+            groups = [await run_group(c) for _ in range(2)]
             return c, capacity, row, groups
         finally:
             await served.close()
@@ -361,7 +355,7 @@ def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
     assert (c.gate.n_running, c.gate.n_accepted, c.gate.capacity()) == (0, 0, capacity)
     assert len(c.buffer) == 0 and c.buffer.n_in_flight == 0
     # The row comes back as it was drawn: the dataset's row and its draw id.
-    assert c._retry == [{**row, "draw_id": 0}] and c._rows_in_flight == {}
+    assert c.draws.retry == [{**row, "draw_id": 0}] and c.draws.out == {}
     stats = c.episodes.stats()
     assert stats[f"rollout/episodes_{counter}"] == 2
     assert needle in caplog.text

@@ -40,8 +40,8 @@ def test_gate_after_resume_counts_from_the_version():
     assert gate.capacity() == 4 * (5 + 2 + 1) - 20
 
 
-def _group(index: int, start_version: int = 0) -> list[Trajectory]:
-    return [Trajectory(group_id=index, prompt_ids=[1], start_version=start_version)]
+def _group(group_id: int, start_version: int = 0) -> list[Trajectory]:
+    return [Trajectory(group_id=group_id, prompt_ids=[1], start_version=start_version)]
 
 
 def test_buffer_oldest_first_each_once():
@@ -92,20 +92,20 @@ def test_random_orders_keep_every_invariant(scenario):
     B, eta, max_concurrent, events = scenario
     gate = StalenessGate(B, eta, max_concurrent)
     buf = ReplayBuffer()
-    in_flight: dict[int, int] = {}  # index -> start version
+    in_flight: dict[int, int] = {}  # group id -> start version
     accepted: set[int] = set()
     trained: list[int] = []
     trainer_version = 0
 
-    def finish(index: int, keep: bool) -> None:
-        start_version = in_flight.pop(index)
+    def finish(group_id: int, keep: bool) -> None:
+        start_version = in_flight.pop(group_id)
         if keep:
             gate.on_rollout_accepted()
-            buf.put(index, _group(index, start_version))
-            accepted.add(index)
+            buf.put(group_id, _group(group_id, start_version))
+            accepted.add(group_id)
         else:
             gate.on_rollout_rejected()
-            buf.discard(index)
+            buf.discard(group_id)
 
     def take() -> bool:
         nonlocal trainer_version
@@ -114,20 +114,20 @@ def test_random_orders_keep_every_invariant(scenario):
             return False
         assert len(batch) == B
         for g in batch:
-            index = g[0].group_id
+            group_id = g[0].group_id
             start = g[0].start_version
             assert trainer_version - start <= eta, "a trained group is staler than eta"
             if eta == 0:
                 assert start == trainer_version
-            assert index not in trained, "a group was trained on twice"
-            trained.append(index)
+            assert group_id not in trained, "a group was trained on twice"
+            trained.append(group_id)
         trainer_version += 1
         return True
 
     def start() -> None:
         v = gate.on_rollout_submitted()
-        index = buf.reserve(v)
-        in_flight[index] = v
+        group_id = buf.reserve(v)
+        in_flight[group_id] = v
 
     for kind, r in events:
         if kind == "s" and gate.capacity() > 0:

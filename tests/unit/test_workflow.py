@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import fields
 
 import pytest
 
-from areal.config import load_config
+from areal.config import RolloutConfig, load_config
 from areal.controller.controller import Controller
 from areal.trajectory import Trajectory
-from areal.workflow import load_workflow
+from areal.workflow import Workflow, load_workflow
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.openai_endpoint import BadRequest, chat_messages, cut_at_stop, request_params
 from areal.workflow.samples import (
@@ -129,7 +130,7 @@ def test_request_params():
     assert cut_at_stop("x = 3</calc> more", ["</calc>"]) == "x = 3"
 
 
-class _Decline:
+class _Decline(Workflow):
     async def arun_episode(self, engine, data):
         return None
 
@@ -141,12 +142,75 @@ def test_a_declined_row_frees_the_gate_and_is_used_up():
     c = Controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=_Decline())
 
     async def body():
-        index = c.buffer.reserve(c.gate.on_rollout_submitted())
-        row = c._rows_in_flight[index] = c._next_row()
-        await c._rollout_group(index, row, 0)
+        return await (await c.admit())
 
     capacity = c.gate.capacity()
-    asyncio.run(body())
+    assert asyncio.run(body()) is None
     assert c.gate.capacity() == capacity and c.gate.n_accepted == 0
-    assert c._retry == [] and c._rows_in_flight == {} and c.buffer.n_in_flight == 0
+    assert c.draws.retry == [] and c.draws.out == {} and c.buffer.n_in_flight == 0
     assert c.episodes.stats()["rollout/episodes_declined"] == 1
+
+
+class _OnlyEpisode:  # looks like a workflow, but has none of the hooks
+    async def arun_episode(self, engine, data):
+        return None
+
+
+only_episode = _OnlyEpisode()
+declined = _Decline()
+not_async = print
+
+
+def test_load_workflow_takes_workflows_and_agent_functions_and_refuses_the_rest():
+    from examples.multi_turn_arith import run
+
+    assert isinstance(load_workflow(f"{__name__}:_Decline"), _Decline)
+    assert load_workflow(f"{__name__}:declined") is declined
+    agent = load_workflow("examples.multi_turn_arith:run", RolloutConfig(max_turns=3))
+    assert isinstance(agent, AgentWorkflow) and agent.run is run and agent.cfg.max_turns == 3
+    # The hooks' defaults come with the interface.
+    assert declined.stats() == {} and asyncio.run(declined.aclose()) is None
+    for name in ("_OnlyEpisode", "only_episode", "not_async"):
+        with pytest.raises(ValueError, match="subclass of areal.workflow.Workflow"):
+            load_workflow(f"{__name__}:{name}")
+
+
+def test_individual_samples_keep_every_field_of_the_call():
+    t = Trajectory(
+        group_id=3,
+        prompt_ids=[1, 2],
+        output_ids=[5, 6],
+        logprobs=[-0.1, -0.2],
+        versions=[1, 2],
+        finish_reason="stop",
+        reward=0.0,
+        start_version=1,
+        n_interrupts=1,
+        t_start=10.0,
+        t_end=11.0,
+        draw_id=7,
+        loss_mask=[1, 1],
+    )
+    # Every field differs from its default, so a field left behind would show.
+    defaults = Trajectory(group_id=0, prompt_ids=[])
+    changed = {
+        f.name for f in fields(Trajectory) if getattr(t, f.name) != getattr(defaults, f.name)
+    }
+    assert changed == {f.name for f in fields(Trajectory)} - {"reward"}
+    (sample,) = individual_samples([Call(id="a", traj=t)], [2.5])
+    assert sample.reward == 2.5
+    assert {f.name: getattr(sample, f.name) for f in fields(Trajectory) if f.name != "reward"} == {
+        f.name: getattr(t, f.name) for f in fields(Trajectory) if f.name != "reward"
+    }
+    sample.output_ids.append(9)  # the sample owns its token lists
+    assert t.output_ids == [5, 6]
+
+
+def test_concat_keeps_the_first_calls_identity():
+    first = call("a", [1], [5], 0)
+    first.traj.draw_id, first.traj.start_version, first.traj.t_start = 7, 2, 10.0
+    second = call("b", [1, 5, 7], [9], 0)
+    second.traj.t_end = 12.0
+    t = concat_sample([first, second], [0.0, 1.0])
+    assert (t.group_id, t.draw_id, t.start_version, t.t_start, t.t_end) == (3, 7, 2, 10.0, 12.0)
+    assert first.traj.output_ids == [5] and first.traj.loss_mask == []  # calls left as they were

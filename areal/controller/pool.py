@@ -1,0 +1,133 @@
+"""The rollout workers as one pool: where a group generates, failover, and weight fan-out.
+
+    Controller --generate(group_id, prompt_ids, n)--> WorkerPool --pick (router.py)--> worker k
+               <-- n finished trajectories -------        <-- finished | unfinished (k died)
+                                                      unfinished: resumed, partial output
+                                                      and all, on another alive worker
+    Controller --update_weights(v, dir)------------> every worker --> acknowledged versions
+                                                      --> retire weights/ older than v
+    a dead worker k --wait_ready--> back (it loads the newest version first) --> alive again
+
+| call / task     | waits for                                  | unblocked by                 |
+|-----------------|--------------------------------------------|------------------------------|
+| generate        | an alive worker; then its reply            | a worker back; its samples   |
+| update_weights  | every worker to load version v             | their replies                |
+| back-watch of k | worker k's wait_ready (restart + reload)   | the launcher restarting it   |
+
+A group's samples stay on one worker (its server's prefix cache); a group that a dead
+server left unfinished moves to the least loaded alive one. Everything runs on the
+controller's event loop: `alive` (a Condition) wakes generations waiting for a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from areal import events, rolelog
+from areal.comm.rpc import RpcClient
+from areal.controller.router import Router
+from areal.trajectory import Trajectory
+from areal.weights import retire_older_than
+
+log = logging.getLogger("areal.controller")
+
+
+class WorkerPool:
+    def __init__(self, workers: list[RpcClient], exp_dir: Path):
+        self.workers = workers
+        self.exp_dir = exp_dir
+        self.router = Router(len(workers))
+        self.alive = asyncio.Condition()
+        """Notified when a worker comes back."""
+        self._watchers: dict[int, asyncio.Task] = {}  # dead worker -> waiting for it to be back
+        self._resubmitted = 0  # samples resumed on another worker, since the last stats()
+
+    async def generate(
+        self, group_id: int, start_version: int, prompt_ids: list[int], n: int, sampling: dict
+    ) -> list[Trajectory]:
+        """n finished trajectories continuing prompt_ids, on one worker; samples a dead
+        server left unfinished are resumed, with their partial output, on another."""
+        done: list[Trajectory] = []
+        partial: list[dict] | None = None  # None: nothing generated yet
+        k = None
+        while True:
+            async with self.alive:
+                await self.alive.wait_for(self.router.any_alive)
+                k = self.router.pick(preferred=k)
+                self.router.load[k] += 1
+            try:
+                wire = await self.workers[k].call(
+                    "generate",
+                    group_id=group_id,
+                    prompt_ids=prompt_ids,
+                    n=n,
+                    sampling_params=sampling,
+                    start_version=start_version,
+                    partial=partial,
+                )
+            finally:
+                self.router.load[k] -= 1
+            trajs = [Trajectory.from_wire(w) for w in wire]
+            done += [t for t in trajs if t.finish_reason]
+            partial = [t.to_wire() for t in trajs if not t.finish_reason]
+            if not partial:
+                return done
+            self._server_down(k)
+            self._resubmitted += len(partial)
+
+    async def update_weights(self, version: int, path: str) -> None:
+        """Load `version` on every worker; a dead one loads the newest before it serves
+        again. Then retire older weight directories. The caller awaits one at a time."""
+        t0 = time.time()
+        replies = await asyncio.gather(
+            *(w.call("update_weights", version=version, path=path) for w in self.workers)
+        )
+        events.record("update_weights", t0, time.time(), version=version)
+        rolelog.set_context(version=version)
+        log.info("version %d loaded by the servers in %.2fs", version, time.time() - t0)
+        for k, reply in enumerate(replies):
+            if reply["loaded"]:
+                self.router.version[k] = reply["version"]
+            else:  # down: it loads the newest version before it serves again
+                self._server_down(k)
+        # Every server serving holds `version`, and one that comes back loads the newest
+        # first: older directories are no longer needed.
+        retire_older_than(self.exp_dir, version)
+
+    async def stats(self) -> dict[str, float]:
+        """The pool's counters since the previous call, and its servers' state now."""
+        resubmitted, self._resubmitted = self._resubmitted, 0
+        worker_stats = await asyncio.gather(*(w.call("stats") for w in self.workers))
+        serving = [v for v, ok in zip(self.router.version, self.router.alive, strict=True) if ok]
+        return {
+            "rollout/interrupted": sum(s["n_interrupted"] for s in worker_stats),
+            "rollout/servers_alive": sum(self.router.alive),
+            # The oldest weights a serving server holds (as it acknowledged them).
+            "rollout/server_version_min": min(serving, default=-1),
+            "rollout/resubmitted": resubmitted,
+        }
+
+    def close(self) -> None:
+        """Stop waiting for dead workers (the run ends)."""
+        for task in list(self._watchers.values()):
+            task.cancel()
+
+    def _server_down(self, k: int) -> None:
+        """Route around worker k until it says it serves again."""
+        self.router.mark_dead(k)
+        if k not in self._watchers:
+            log.warning("inference server %d is down; routing around it until it is back", k)
+            self._watchers[k] = asyncio.create_task(self._wait_back(k))
+
+    async def _wait_back(self, k: int) -> None:
+        try:
+            reply = await self.workers[k].call("wait_ready")
+        finally:
+            del self._watchers[k]
+        async with self.alive:
+            self.router.mark_alive(k, reply["version"])
+            self.alive.notify_all()
+        log.info("inference server %d is back at version %d", k, reply["version"])
