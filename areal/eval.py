@@ -1,8 +1,16 @@
 """`python -m areal.eval --model DIR --data FILE --n-samples 32`: pass@1 and pass@k.
 
-    data file --prompts--> inference server (embedded subprocess, or --server-url) --n samples-->
-    RewardService (same graders, same process pool and time limits as training) --> verdicts
-    --> pass@1 (mean over samples, then problems) and pass@k (unbiased estimator) --> table + JSON
+    the task's rows (--task, else --config's dataset.type, else inferred from --data)
+      --> n episodes per problem of the workflow (--workflow, else --config's
+          rollout.workflow, else the single-turn default), each run as the controller runs
+          it (areal.workflow: EpisodeRunner, RolloutEngine with one sample per episode):
+            engine.generate --> inference server (embedded subprocess, or --server-url)
+            engine.grade    --> RewardService (the task's grader, the same process pool and
+                                time limits as training; 1 right, 0 wrong)
+      --> an episode passes when a sample of it has a reward > 0 (agents grade themselves:
+          the examples give +5 right, -5 wrong); a rejected or timed-out episode fails
+      --> pass@1 (mean over samples, then problems) and pass@k (unbiased estimator)
+      --> table + JSON
 
 pass@k = E_problems[1 - C(n - c, k) / C(n, k)] with n samples of which c are correct
 (Chen et al., 2021): unbiased, unlike the fraction of problems solved within k samples.
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -20,9 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from areal.config import ConfigError
-from areal.data.dataset import SYNTHETIC, synthetic_rows
+from areal.config import ConfigError, DatasetConfig, RewardConfig, RolloutConfig, load_config
 from areal.rollout.auth import API_KEY_ENV
+
+DEFAULT_SAMPLING = {"max_new_tokens": 1024, "temperature": 0.6, "top_p": 0.95}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -42,73 +52,118 @@ def summarise(correct: list[list[bool]], ks: list[int]) -> dict[str, float]:
     return out
 
 
-def infer_task(path: str) -> str:
-    """math or code, from the first record that has 'tests' or 'answer'."""
+def infer_task(path: str, max_records: int = 1000) -> str:
+    """The first task read from a file (code, math, ...) that reads one of its records."""
     from areal.data.files import BadRecord, read_records
+    from areal.tasks import load_task, names
 
-    for _, record in read_records(path):
+    from_file = [load_task(n) for n in names() if load_task(n).needs_path]
+    for i, (_, record) in enumerate(read_records(path)):
+        if i == max_records:
+            break
         if isinstance(record, dict) and not isinstance(record, BadRecord):
-            if "tests" in record:
-                return "code"
-            if "answer" in record:
-                return "math"
-    raise ConfigError(f"{path}: no record with 'answer' (math) or 'tests' (code); pass --task")
+            for task in from_file:
+                try:
+                    task.from_record(record)
+                except ValueError:
+                    continue
+                return task.name
+    raise ConfigError(
+        f"{path}: no record that a task reads ("
+        + "; ".join(f"{t.name}: {t.record_fields}" for t in from_file)
+        + "); pass --task"
+    )
 
 
 def load_problems(args) -> list[dict]:
-    from areal.data.problems import load_file_rows
+    """The task's rows: dataset.n_problems = --max-problems (32) of a task made in code."""
+    from areal.data.dataset import load_rows
 
-    if args.task in SYNTHETIC:
-        return synthetic_rows(args.task, args.max_problems or 32, args.max_operand, args.seed)
-    rows = load_file_rows(args.task, args.data)
+    dataset = dataclasses.replace(
+        args.dataset,
+        type=args.task,
+        path=args.data or "",
+        n_problems=args.max_problems or 32,
+        max_prompt_len=args.max_prompt_len,
+    )
+    rows = load_rows(dataset, args.seed)
     return rows[: args.max_problems] if args.max_problems else rows
+
+
+def episode_passed(trajs) -> bool:
+    """A sample of the episode earned a positive reward (None: declined, a failure)."""
+    return bool(trajs) and max(t.reward for t in trajs) > 0
 
 
 async def sample_and_grade(args, rows: list[dict], url: str) -> list[list[bool]]:
     from areal.reward.service import RewardService
     from areal.rollout.client import SGLangClient
     from areal.rollout.launch import wait_for_server
+    from areal.trajectory import Trajectory
+    from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, load_workflow
 
     client = SGLangClient(url, api_key=args.api_key)
-    service = RewardService(
-        n_workers=args.n_workers,
-        timeout_s=args.timeout_s,
-        correct=1.0,
-        wrong=0.0,
-        code_time_limit_s=args.code_time_limit_s,
-    )
-    sampling = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-    }
+    service = RewardService(args.reward)
+    workflow = load_workflow(args.rollout.workflow, args.rollout)
+    runner = EpisodeRunner(workflow, args.rollout.episode_timeout_s)
     done = 0
+    failed: list[Exception] = []  # the server's errors: they end the evaluation
 
-    async def one(row: dict) -> list[bool]:
-        nonlocal done
-        outs = await asyncio.gather(
-            *(client.generate(row["prompt_ids"], sampling) for _ in range(args.n_samples))
+    async def generate(group_id: int, prompt_ids: list[int], n: int, sampling: dict):
+        try:
+            outs = await asyncio.gather(*(client.generate(prompt_ids, sampling) for _ in range(n)))
+        except Exception as e:  # an agent would see an HTTP 500 and fail only its episode
+            failed.append(e)
+            raise
+        return [
+            Trajectory(group_id=group_id, prompt_ids=list(prompt_ids), output_ids=o.output_ids,
+                       logprobs=o.logprobs, versions=[o.weight_version] * len(o.output_ids),
+                       finish_reason=o.finish_reason)
+            for o in outs
+        ]  # fmt: skip
+
+    async def episode(index: int, row: dict) -> bool:
+        engine = RolloutEngine(
+            tokenizer=args.tokenizer,
+            group_size=1,  # one sample (single turn) or one agent episode: one of the n
+            sampling_params=args.sampling,
+            group_id=index,
+            start_version=0,
+            generate_fn=lambda ids, n, sampling: generate(index, ids, n, sampling),
+            grade_fn=service.grade,
         )
-        texts = [args.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
-        # Graded as soon as this problem's samples are in, while others still generate.
-        rewards = await service.grade(row["task"], texts, row["answer"])
+        try:
+            return episode_passed(await runner.run(engine, row))
+        except EpisodeError:  # counted and logged by the runner
+            if failed:  # not the episode's fault: no verdict can be trusted
+                raise failed[0] from None
+            return False
+
+    async def one(index: int, row: dict) -> list[bool]:
+        nonlocal done
+        # Graded as each episode ends, while others still generate.
+        passed = await asyncio.gather(*(episode(index, row) for _ in range(args.n_samples)))
         done += 1
         print(f"\r{done}/{len(rows)} problems", end="", file=sys.stderr, flush=True)
-        return [r > 0 for r in rewards]
+        return list(passed)
 
     try:
         await wait_for_server(client, args.startup_timeout_s, args.server_log, args.server_proc)
         limit = asyncio.Semaphore(args.max_concurrent)
 
-        async def bounded(row: dict) -> list[bool]:
+        async def bounded(index: int, row: dict) -> list[bool]:
             async with limit:
-                return await one(row)
+                return await one(index, row)
 
-        results = await asyncio.gather(*(bounded(r) for r in rows))
+        results = await asyncio.gather(*(bounded(i, r) for i, r in enumerate(rows)))
         args.reward_counts = await service.stats()
+        args.episode_counts = dict(runner.counts)
+        args.workflow_stats = workflow.stats() if hasattr(workflow, "stats") else {}
         print(file=sys.stderr)
         return results
     finally:
+        if hasattr(workflow, "aclose"):  # an agent's endpoint
+            await workflow.aclose()
         await client.close()
         service.close()
 
@@ -116,16 +171,24 @@ async def sample_and_grade(args, rows: list[dict], url: str) -> list[list[bool]]
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(prog="python -m areal.eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model directory (tokenizer; and served)")
-    p.add_argument("--data", help="JSON/JSONL/parquet file of math or code problems")
-    p.add_argument("--task", choices=("math", "code", *SYNTHETIC), help="default: from the data")
+    p.add_argument("--data", help="JSON/JSONL/parquet file of problems (default: --config's)")
+    p.add_argument(
+        "--task", help='dataset.type: a task (arith, longtail, math, code) or "package.module:'
+        'object"; default: --config\'s, else inferred from the data',
+    )  # fmt: skip
+    p.add_argument(
+        "--config", help="a training config: its rollout.workflow (and agent settings), "
+        "dataset and reward sections are the defaults here",
+    )  # fmt: skip
+    p.add_argument("--workflow", help="package.module:object (default: --config's, single turn)")
     p.add_argument("--n-samples", type=int, default=32, help="samples per problem (n)")
     p.add_argument("--k", default="1,4,8,16,32", help="comma-separated k of pass@k (k <= n)")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-new-tokens", type=int, help="default: --config's rollout, else 1024")
+    p.add_argument("--temperature", type=float, help="default: --config's rollout, else 0.6")
+    p.add_argument("--top-p", type=float, help="default: --config's rollout, else 0.95")
     p.add_argument("--max-problems", type=int, default=0, help="first N problems (0: all)")
     p.add_argument("--max-prompt-len", type=int, default=1024)
-    p.add_argument("--max-operand", type=int, default=5, help="arith task only")
+    p.add_argument("--max-operand", type=int, help="arith task only (default: 5)")
     p.add_argument("--server-url", help="a running SGLang or embedded server (default: start one)")
     p.add_argument(
         "--api-key", default=os.environ.get(API_KEY_ENV) or None,
@@ -135,18 +198,57 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of the started server")
     p.add_argument("--n-workers", type=int, default=2, help="grading processes")
     p.add_argument("--timeout-s", type=float, default=10.0, help="time limit of one grading")
-    p.add_argument("--code-time-limit-s", type=float, default=6.0)
+    p.add_argument("--code-time-limit-s", type=float, help="default: --config's reward, else 6")
     p.add_argument("--max-concurrent", type=int, default=16, help="problems in flight")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="result JSON (default: eval_<data stem>.json here)")
     args = p.parse_args(argv)
-    if args.task not in SYNTHETIC and not args.data:
-        p.error("--data is required (or --task arith or longtail for a synthetic task)")
-    if args.n_samples < 1 or args.max_new_tokens < 1 or not args.temperature > 0:
+    if not (args.data or args.task or args.config):
+        p.error("--data is required (or --task naming a task made in code, e.g. arith)")
+    if args.n_samples < 1 or (args.max_new_tokens or 1) < 1 or not (args.temperature or 1) > 0:
         p.error("--n-samples and --max-new-tokens must be >= 1 and --temperature > 0")
     args.ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
     return args
+
+
+def resolve_settings(args) -> None:
+    """--config's sections, overridden by the flags given; ConfigError for a mistake."""
+    base = load_config(args.config) if args.config else None
+    rollout = base.rollout if base else RolloutConfig()
+    args.dataset = base.dataset if base else DatasetConfig()
+    if args.max_operand is not None:
+        args.dataset = dataclasses.replace(args.dataset, max_operand=args.max_operand)
+    if base and not args.data and not args.task:
+        args.task, args.data = base.dataset.type, base.dataset.path
+    args.task = args.task or infer_task(args.data)
+    from areal.tasks import load_task
+
+    if load_task(args.task).needs_path and not args.data:
+        raise ConfigError(f"task {args.task!r} reads its problems from a file: pass --data")
+    sampling = {k: getattr(rollout, k) if base else v for k, v in DEFAULT_SAMPLING.items()}
+    for key in sampling:
+        if getattr(args, key) is not None:
+            sampling[key] = getattr(args, key)
+    args.sampling = sampling
+    args.rollout = dataclasses.replace(
+        rollout, workflow=args.workflow or rollout.workflow, **sampling
+    )
+    reward = base.reward if base else RewardConfig()
+    args.reward = dataclasses.replace(
+        reward,
+        n_workers=args.n_workers,
+        timeout_s=args.timeout_s,
+        correct=1.0,
+        wrong=0.0,
+        code_time_limit_s=args.code_time_limit_s or reward.code_time_limit_s,
+    )
+    from areal.workflow import resolve
+
+    try:  # a misspelt workflow: say so before a server starts
+        resolve(args.rollout.workflow)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (Path(args.model) / "config.json").is_file():
             raise ConfigError(f"--model {args.model!r} holds no config.json: give an HF model dir")
-        args.task = args.task or infer_task(args.data)
+        resolve_settings(args)
         from transformers import AutoTokenizer
 
         from areal.data.dataset import tokenize_rows
@@ -180,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         correct = asyncio.run(sample_and_grade(args, rows, url))
-    except (RuntimeError, TimeoutError) as e:  # the server died or never came up
+    except (RuntimeError, TimeoutError, ConnectionError) as e:  # the server failed
         print(f"areal.eval: error: {e}", file=sys.stderr)
         return 1
     finally:
@@ -194,13 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         "task": args.task,
         "n_problems": len(rows),
         "n_samples": args.n_samples,
-        "sampling": {
-            "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-        },
+        "workflow": args.rollout.workflow,
+        "sampling": args.sampling,
         "scores": scores,
         "reward_counts": args.reward_counts,
+        "episode_counts": args.episode_counts,
+        "workflow_stats": args.workflow_stats,
         "per_problem_correct": [sum(c) for c in correct],
         "seconds": round(time.time() - t0, 2),
     }
@@ -211,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{len(rows)} {args.task} problems x {args.n_samples} samples in {result['seconds']} s; "
         f"grading timeouts {args.reward_counts['timeouts']}, errors {args.reward_counts['errors']}"
+        + "".join(f"; episodes {k} {v}" for k, v in args.episode_counts.items() if v)
     )
     print(f"areal.eval: wrote {output}")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -21,17 +22,18 @@ def prepare_experiment(cfg):
     """Make the experiment directory ready for a fresh or resumed run; resolve the model."""
     from areal.checkpoint import checkpoints_root, latest
     from areal.comm.registry import create_key
-    from areal.data.dataset import SYNTHETIC
+    from areal.data.dataset import load_rows
     from areal.events import events_dir
+    from areal.tasks import load_task
 
-    if cfg.dataset.type not in SYNTHETIC:
-        from areal.data.problems import load_file_rows
-
-        # Every role must find the file whatever its working directory; a bad file is a
-        # user mistake best reported now, before anything else.
+    task = load_task(cfg.dataset.type)  # a task of the user's is imported first here
+    if cfg.dataset.path:
+        # Every role must find the file whatever its working directory.
         cfg.dataset.path = str(Path(cfg.dataset.path).resolve())
-        n = len(load_file_rows(cfg.dataset.type, cfg.dataset.path))
-        print(f"areal: {n} {cfg.dataset.type} problems in {cfg.dataset.path}")
+    # A bad file or task is a user mistake best reported now, before anything else.
+    n = len(load_rows(cfg.dataset, cfg.seed))
+    if task.needs_path:
+        print(f"areal: {n} {task.name} problems in {cfg.dataset.path}")
     from areal.workflow import resolve
 
     try:  # a misspelt workflow is a user mistake: say so now, not in the controller's log
@@ -75,10 +77,10 @@ def prepare_experiment(cfg):
         from areal.models.tiny import make_tiny_model
 
         m = cfg.model
-        # Math and code runs without a model get the arith one: it knows digits and turns.
-        task = cfg.dataset.type if cfg.dataset.type in SYNTHETIC else "arith"
-        name = (
-            f"tiny-{task}-h{m.tiny_hidden}-l{m.tiny_layers}"
+        # Tasks without warm-up data (math, code) get the arith model: it knows digits and turns.
+        warm = cfg.dataset.type if task.warmup is not None else "arith"
+        name = (  # a task "pkg.mod:TASK" makes the directory tiny-pkg.mod_TASK-...
+            f"tiny-{re.sub(r'[^0-9A-Za-z_.-]', '_', warm)}-h{m.tiny_hidden}-l{m.tiny_layers}"
             f"-w{m.tiny_warmup_steps}-m{cfg.dataset.max_operand}-s{cfg.seed}"
         )
         print(f"areal: using the tiny model {Path(cfg.fileroot) / 'models' / name}")
@@ -90,7 +92,7 @@ def prepare_experiment(cfg):
                 layers=m.tiny_layers,
                 warmup_steps=m.tiny_warmup_steps,
                 max_operand=cfg.dataset.max_operand,
-                task=task,
+                task=warm,
             )
         )
     if not (Path(cfg.model.path) / "config.json").is_file():

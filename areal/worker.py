@@ -74,15 +74,7 @@ async def _rollout(cfg, index: int, key: bytes) -> None:
 async def _reward(cfg, index: int, key: bytes) -> None:
     from areal.reward.service import RewardService
 
-    r = cfg.reward
-    service = RewardService(
-        n_workers=r.n_workers,
-        timeout_s=r.timeout_s,
-        correct=r.correct,
-        wrong=r.wrong,
-        code_time_limit_s=r.code_time_limit_s,
-        code_memory_mb=r.code_memory_mb,
-    )
+    service = RewardService(cfg.reward)
     server = RpcServer(key)
     server.register("grade", service.grade)
     server.register("stats", service.stats)

@@ -18,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+from areal.config import RewardConfig
 from areal.reward import sandbox
 from areal.reward.service import RewardService
 
@@ -65,7 +66,9 @@ def workload(task: str, n: int, first: int = 1) -> list[tuple[list[str], object]
 
 
 async def measure(task: str, n: int, workers: int) -> dict:
-    service = RewardService(n_workers=workers, timeout_s=30.0, correct=5.0, wrong=-5.0)
+    service = RewardService(
+        RewardConfig(n_workers=workers, timeout_s=30.0, correct=5.0, wrong=-5.0)
+    )
     try:
         # Warm-up, the workload once: every pool process starts, imports its grader and
         # fills math-verify's caches (sympy and the LaTeX parser are slow the first time).

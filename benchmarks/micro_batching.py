@@ -5,7 +5,7 @@
 
 One PPO minibatch update of the tiny model's trainer (TorchBackend) on a long-tailed
 distribution of sequence lengths, the same sequences for both variants: lognormal, or
---lengths longtail, the longtail task's own (areal/data/longtail.py: a ~20-token prompt and
+--lengths longtail, the longtail task's own (areal/tasks/longtail.py: a ~20-token prompt and
 10 tokens a step, the steps Pareto-distributed).
 
 - dynamic: allocate_micro_batches under a token budget, each micro-batch one packed,
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal.data import longtail
 from areal.models.tiny import make_tiny_model
+from areal.tasks import longtail
 from areal.trainer.batching import allocate_micro_batches
 from areal.trainer.ppo import decoupled_ppo_loss
 from areal.trainer.step import proximal_logprobs

@@ -75,7 +75,7 @@ def trl_worker(model: str, new: int, steps: int, out: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from areal.data.arith import is_correct, make_problems
+    from areal.tasks.arith import is_correct, make_problems
 
     rows = make_problems(PROMPTS * (steps + 2), MAX_OPERAND, seed=1)
     data = Dataset.from_list(

@@ -1,33 +1,68 @@
-"""Prompts for the rollout controller: rows {"prompt", "answer", "task"} -> token ids."""
+"""Prompts for the rollout controller: the task's rows {"prompt", "answer", "task"} -> ids.
+
+    dataset.type --load_task--> Task --generate(dataset_cfg, seed)------------+--> rows
+                                    '--from_record(each record of dataset.path)-'
+    rows --chat template, dataset.max_prompt_len--> rows + "prompt_ids"
+
+A malformed record of a file is logged with its file and line, skipped and counted; a file
+without one usable record is a `ConfigError`.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from areal.data import arith, longtail
+from areal.config import ConfigError
+from areal.data.files import BadRecord, read_records
+from areal.tasks import load_task
 
 log = logging.getLogger("areal.data")
 
-
-SYNTHETIC = ("arith", "longtail")  # tasks made in code, no file
-
-
-def synthetic_rows(task: str, n: int, max_operand: int, seed: int) -> list[dict]:
-    """n rows of a task in SYNTHETIC (max_operand: arith only)."""
-    if task == "arith":
-        return arith.make_problems(n, max_operand, seed)
-    return longtail.make_problems(n, seed)
+_LOGGED = 10  # malformed rows logged one by one at most; the rest only counted
 
 
 def load_rows(dataset_cfg, seed: int) -> list[dict]:
-    """Rows {"prompt", "answer", "task"}: generated (SYNTHETIC) or read from dataset.path."""
-    if dataset_cfg.type in SYNTHETIC:
-        return synthetic_rows(
-            dataset_cfg.type, dataset_cfg.n_problems, dataset_cfg.max_operand, seed
-        )
-    from areal.data.problems import load_file_rows
+    """The rows of dataset.type's task, each tagged with it ("task")."""
+    spec = dataset_cfg.type
+    task = load_task(spec)
+    if task.needs_path:
+        if not dataset_cfg.path:
+            raise ConfigError(
+                f"dataset.path is required when dataset.type is {spec!r}: set it to the "
+                "dataset file"
+            )
+        rows = file_rows(dataset_cfg.path, task.from_record, task.name, task.record_fields)
+    else:
+        rows = task.generate(dataset_cfg, seed)
+    return [{**row, "task": spec} for row in rows]
 
-    return load_file_rows(dataset_cfg.type, dataset_cfg.path)
+
+def file_rows(
+    path: str, from_record: Callable[[dict], dict], what: str, needs: str = ""
+) -> list[dict]:
+    """Rows of every usable record of a file (or a directory of files); see the module doc."""
+    rows, skipped = [], 0
+    for where, record in read_records(path):
+        try:
+            if isinstance(record, BadRecord):
+                raise ValueError(record)
+            if not isinstance(record, dict):
+                raise ValueError(f"a record must be an object, got {type(record).__name__}")
+            rows.append(from_record(record))
+        except ValueError as e:
+            skipped += 1
+            if skipped <= _LOGGED:
+                log.warning("%s: skipped a malformed %s row: %s", where, what, e)
+    if skipped:
+        log.warning("%s: skipped %d malformed rows, kept %d", path, skipped, len(rows))
+    if not rows:
+        raise ConfigError(
+            f"dataset.path={path!r} has no usable {what} row ({skipped} malformed): each row "
+            + (f"needs {needs}, " if needs else "")
+            + "or set dataset.type to the file's task"
+        )
+    return rows
 
 
 def tokenize_rows(rows: list[dict], tokenizer, max_prompt_len: int) -> list[dict]:

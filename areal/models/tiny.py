@@ -2,14 +2,14 @@
 
 `make_tiny_model(dir)` writes a directory that loads with transformers' Auto classes and
 with SGLang exactly like a real checkpoint (config.json, model.safetensors, tokenizer files,
-ChatML chat template). The model gets a short supervised warm-up on its task (arith, or
-longtail's scratchpads) so that it knows the answer format and part of the arithmetic, as
-the paper's runs start from a distilled model; RL has to do the rest.
+ChatML chat template). The model gets a short supervised warm-up on its task's own data
+(`Task.warmup`: arith's half-right sums, longtail's noisy scratchpads) so that it knows the
+answer format and part of the arithmetic, as the paper's runs start from a distilled model;
+RL has to do the rest.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
@@ -21,9 +21,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from areal.data import longtail
-from areal.data.arith import make_problems
-from areal.data.dataset import SYNTHETIC
+from areal.config import DatasetConfig
+from areal.tasks import load_task
+from areal.tasks.arith import make_problems
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -92,47 +92,18 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     )
 
 
-def _arith_batch(rng: random.Random, pool: list[dict], max_operand: int) -> list[tuple[str, str]]:
-    """Sums whose answer is replaced by a random number half of the time: the model learns
-    the format and only part of the arithmetic."""
-    rows = []
-    for p in rng.sample(pool, 64):
-        answer = p["answer"] if rng.random() < 0.5 else str(rng.randint(0, 2 * max_operand))
-        rows.append((p["prompt"], answer))
-    return rows
-
-
-def _longtail_batch(rng: random.Random) -> list[tuple[str, str]]:
-    """Repeated additions with a wrong step now and then (longtail.WARMUP_NOISE). One batch
-    has similar lengths (little padding); its length is the task's own heavy-tailed draw
-    or, as often as it takes to teach every counter and position, a uniform one."""
-    top = longtail.draw_steps(rng) if rng.random() < 0.7 else rng.randint(1, longtail.MAX_STEPS)
-    rows = []
-    for _ in range(32):
-        start, addend = rng.randint(0, longtail.MAX_START), rng.randint(1, longtail.MAX_ADDEND)
-        steps = rng.randint(max(1, top - 8), top)
-        pad = longtail.scratchpad(start, addend, steps, rng, longtail.WARMUP_NOISE)
-        rows.append((longtail.prompt_text(start, addend, steps), pad))
-    return rows
-
-
 def _warm_up(model, tokenizer, steps: int, task: str, max_operand: int, seed: int) -> None:
     """Supervised steps on the task's worked answers, so that RL starts from a model that
     knows the format, as the paper's runs start from a distilled model."""
     if steps <= 0:
         return
-    rng = random.Random(seed + 1)
-    if task == "arith":
-        pool = make_problems(4096, max_operand, seed + 1)
-        batch = functools.partial(_arith_batch, rng, pool, max_operand)
-    else:
-        batch = functools.partial(_longtail_batch, rng)
+    batches = load_task(task).warmup(DatasetConfig(type=task, max_operand=max_operand), seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     eos = tokenizer.eos_token_id
     model.train()
-    for _ in range(steps):
+    for _, batch in zip(range(steps), batches, strict=False):
         seqs, masks = [], []
-        for prompt, response in batch():
+        for prompt, response in batch:
             prompt_ids = chat_prompt_ids(tokenizer, prompt)
             response_ids = tokenizer.encode(response, add_special_tokens=False) + [eos]
             seqs.append(prompt_ids + response_ids)
@@ -160,9 +131,10 @@ def make_tiny_model(
     max_operand: int = 20,
     task: str = "arith",
 ) -> Path:
-    """Write the tiny model directory (atomically: a half-written one never appears)."""
-    if task not in SYNTHETIC:
-        raise ValueError(f"task must be one of {SYNTHETIC}, got {task!r}")
+    """Write the tiny model directory (atomically: a half-written one never appears), warmed
+    up on `task` (a dataset.type whose Task has warm-up data)."""
+    if load_task(task).warmup is None:
+        raise ValueError(f"task {task!r} has no warm-up data (Task.warmup); use arith")
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out

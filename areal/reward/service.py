@@ -3,62 +3,46 @@
     controller --grade(task, responses, answer)--> service --> pool worker per response
                <-- rewards (+correct / wrong) ----          <-- verdict | error | timeout
 
-Grading runs in separate processes so that a slow or crashing grader never blocks the
-service and so that graders needing the main thread (signals) have one. A grader error or
-a timeout scores the response as wrong and is counted; it never fails the request. The pool
-is pebble's: it kills a grading process that outlives its timeout (and only that one) and
-starts another in its place, and reports a process that died as ProcessExpired.
-Graders: arith (areal.data.arith), math (areal.reward.math, math-verify), code
-(areal.reward.code: unit tests in areal.reward.sandbox).
+`task` is the row's dataset.type (a short name or "package.module:object", areal/tasks/):
+each pool process loads that task once and calls its grader with the options the task takes
+from the reward section (the code sandbox's limits). Grading runs in separate processes so
+that a slow or crashing grader never blocks the service and so that graders needing the main
+thread (signals) have one. A grader error or a timeout scores the response as wrong and is
+counted; it never fails the request. The pool is pebble's: it kills a grading process that
+outlives its timeout (and only that one) and starts another in its place, and reports a
+process that died as ProcessExpired.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from pebble import ProcessExpired, ProcessPool
 
-from areal.data import arith, longtail
+from areal.config import RewardConfig
 from areal.process import die_with_parent
-from areal.reward import code, math, sandbox
+from areal.reward import sandbox
+from areal.tasks import load_task
 
 log = logging.getLogger("areal.reward")
 
-# task -> is_correct(response, answer). The answer is whatever the dataset row holds
-# (msgpack-able): a string for arith, longtail and math, the unit tests for code.
-GRADERS = {
-    "arith": arith.is_correct,
-    "longtail": longtail.is_correct,
-    "math": math.is_correct,
-    "code": code.is_correct,
-}
-
 
 def grade_one(task: str, response: str, answer, options: dict) -> bool:
-    """Runs in a pool process; `options` are the grader's keyword arguments."""
-    return bool(GRADERS[task](response, answer, **options))
+    """Runs in a pool process (which loads the task once); `options` are the grader's
+    keyword arguments. The answer is whatever the row holds (msgpack-able)."""
+    return bool(load_task(task).is_correct(response, answer, **options))
 
 
 class RewardService:
-    def __init__(
-        self,
-        *,
-        n_workers: int,
-        timeout_s: float,
-        correct: float,
-        wrong: float,
-        code_time_limit_s: float = 6.0,
-        code_memory_mb: int = 1024,
-    ):
-        self.n_workers = n_workers
-        self.timeout_s = timeout_s
-        self.correct = correct
-        self.wrong = wrong
-        self.options = {
-            "code": {"time_limit_s": code_time_limit_s, "memory_mb": code_memory_mb},
-        }
+    def __init__(self, cfg: RewardConfig):
+        self.timeout_s = cfg.timeout_s
+        self.correct = cfg.correct
+        self.wrong = cfg.wrong
+        self.cfg = cfg
+        self.options: dict[str, dict] = {}  # task -> its grader's options, made on first use
         # Probed once here, before the pool forks, so its processes inherit the answer.
         try:
             mode = sandbox.mode()
@@ -72,15 +56,18 @@ class RewardService:
                 "isolation (see README, Sandbox)",
                 mode,
             )
-        self.pool = ProcessPool(n_workers, initializer=die_with_parent)
+        self.pool = ProcessPool(cfg.n_workers, initializer=die_with_parent)
         # At most one grading per pool process is submitted, so that a response's time
         # limit counts its own grading, never its wait in the pool's queue.
-        self.slots = asyncio.Semaphore(n_workers)
+        self.slots = asyncio.Semaphore(cfg.n_workers)
         self.counts = {"graded": 0, "timeouts": 0, "errors": 0}
 
     async def grade(self, task: str, responses: list[str], answer) -> list[float]:
-        if task not in GRADERS:
-            raise ValueError(f"no grader for task {task!r}; known: {sorted(GRADERS)}")
+        if task not in self.options:  # an unknown task fails the request (ConfigError)
+            grader = load_task(task)
+            for module in grader.grader_imports:  # before the pool forks (on its first use)
+                importlib.import_module(module)
+            self.options[task] = grader.grader_options(self.cfg)
         verdicts = await asyncio.gather(*(self._grade(task, r, answer) for r in responses))
         return [self.correct if ok else self.wrong for ok in verdicts]
 
@@ -91,7 +78,7 @@ class RewardService:
     async def _grade_now(self, task: str, response: str, answer) -> bool:
         self.counts["graded"] += 1
         future = self.pool.schedule(
-            grade_one, (task, response, answer, self.options.get(task, {})), timeout=self.timeout_s
+            grade_one, (task, response, answer, self.options[task]), timeout=self.timeout_s
         )
         try:
             return await asyncio.wrap_future(future)

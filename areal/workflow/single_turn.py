@@ -3,7 +3,8 @@
     row{"prompt_ids", "task", "answer"} --generate(n=G)--> G trajectories
                                         --grade(decoded responses)--> one reward each
 
-The math, code and arith tasks all run this way; the grader is picked by the row's task.
+Every single-turn task (areal/tasks/) runs this way: the row's "task" (its dataset.type)
+tells the reward service whose grader to use.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from areal.comm.registry import create_key
+from areal.config import RewardConfig
 from areal.reward import sandbox
 from areal.reward.service import RewardService
 
@@ -42,12 +43,14 @@ def program(source: str) -> str:
 def grade(responses: list[str], tests=TESTS, **kw) -> tuple[list[float], dict, float]:
     async def go():
         service = RewardService(
-            n_workers=kw.get("n_workers", 2),
-            timeout_s=kw.get("timeout_s", 20.0),
-            correct=5.0,
-            wrong=-5.0,
-            code_time_limit_s=LIMIT_S,
-            code_memory_mb=256,
+            RewardConfig(
+                n_workers=kw.get("n_workers", 2),
+                timeout_s=kw.get("timeout_s", 20.0),
+                correct=5.0,
+                wrong=-5.0,
+                code_time_limit_s=LIMIT_S,
+                code_memory_mb=256,
+            )
         )
         try:
             t0 = time.time()

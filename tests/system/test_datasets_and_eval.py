@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,4 +93,31 @@ def test_a_short_code_run(tmp_path):
     for m in metrics:
         assert m["reward/mean"] == -5.0
         assert m["reward/timeouts"] == 0 and m["reward/errors"] == 0
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_eval_runs_the_configured_agent_workflow(tmp_path):
+    """--config's rollout.workflow (the multi-turn agent), through the controller's episode
+    API: each of the n samples is one agent episode, graded by the agent itself."""
+    pytest.importorskip("openai")
+    from areal.models.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", warmup_steps=0)
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "areal.eval", "--model", str(model)]
+    cmd += ["--config", str(ROOT / "configs/multi_turn.yaml"), "--max-problems", "3"]
+    cmd += ["--n-samples", "2", "--k", "1,2", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["workflow"] == "examples.multi_turn_arith:run" and result["task"] == "arith"
+    assert result["sampling"]["max_new_tokens"] == 8  # the config's, not eval's default
+    assert result["n_problems"] == 3 and len(result["per_problem_correct"]) == 3
+    stats = result["workflow_stats"]
+    assert stats["episode/count"] == 6  # 3 problems x 2 samples, one episode each
+    assert 1 <= stats["episode/calls_mean"] <= 3  # up to rollout.max_turns calls
+    assert result["reward_counts"]["graded"] == 0  # the agent grades itself
+    assert result["episode_counts"] == {"rejected": 0, "timeout": 0, "declined": 0}
+    s = result["scores"]
+    assert 0.0 <= s["pass@1"] <= s["pass@2"] <= 1.0
     assert processes_mentioning(str(tmp_path)) == []

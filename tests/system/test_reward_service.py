@@ -7,15 +7,35 @@ import asyncio
 import os
 import time
 
+import pytest
+
+from areal.config import ConfigError, RewardConfig
 from areal.reward.service import RewardService
+from areal.tasks import Task
 
 # sympy expands the tower: this comparison runs for minutes unless someone kills it.
 HANG = r"\boxed{10^{10^{10}}}"
 
 
+def _shouted(response: str, answer: str, suffix: str = "") -> bool:
+    if os.getpid() == MAIN_PID:
+        raise AssertionError("graded outside the pool")
+    return response == answer.upper() + suffix
+
+
+MAIN_PID = os.getpid()
+SHOUT = Task(
+    name="shout",
+    generate=lambda cfg, seed: [{"prompt": "say hi loudly", "answer": "hi"}],
+    is_correct=_shouted,
+    grader_options=lambda reward_cfg: {"suffix": "!" * int(reward_cfg.code_memory_mb == 7)},
+)
+"""A task of one's own, named "tests.system.test_reward_service:SHOUT" by its rows."""
+
+
 def service(**kw) -> RewardService:
     args = {"n_workers": 2, "timeout_s": 10.0, "correct": 5.0, "wrong": -5.0}
-    return RewardService(**{**args, **kw})
+    return RewardService(RewardConfig(**{**args, **kw}))
 
 
 def test_math_rewards_are_plus_and_minus_five():
@@ -153,3 +173,19 @@ def test_a_timeout_replaces_only_the_stuck_grading_process():
     assert len(before) == 2
     # The stuck process is gone and the other one kept (a pool restart would replace both).
     assert len(before - after) == 1 and len(before & after) == 1, (before, after)
+
+
+def test_a_task_of_ones_own_is_graded_in_the_pool_with_its_options():
+    async def go():
+        s = service(code_memory_mb=7)
+        try:
+            rewards = await s.grade(f"{__name__}:SHOUT", ["HI!", "HI", "hi!"], "hi")
+            with pytest.raises(ConfigError, match="unknown task 'shout'"):
+                await s.grade("shout", ["HI!"], "hi")
+            return rewards, await s.stats()
+        finally:
+            s.close()
+
+    rewards, counts = asyncio.run(go())
+    assert rewards == [5.0, -5.0, -5.0]
+    assert counts == {"graded": 3, "timeouts": 0, "errors": 0}

@@ -21,6 +21,7 @@ SECRET = "areal-test-secret-4711"
 # the program sees, with its attempts to read its ancestors' environments.
 GRADER = r"""
 import asyncio, json, sys
+from areal.config import RewardConfig
 from areal.reward import sandbox
 from areal.reward.service import RewardService
 
@@ -40,7 +41,8 @@ print(json.dumps({"env": dict(os.environ), "ancestors": ancestors, "cwd": os.get
 LEAK = "```python\nimport os\nprint(os.environ.get('AREAL_TEST_SECRET', 'none'))\n```"
 
 async def grade():
-    s = RewardService(n_workers=1, timeout_s=30, correct=1.0, wrong=0.0, code_time_limit_s=5)
+    s = RewardService(RewardConfig(n_workers=1, timeout_s=30, correct=1.0, wrong=0.0,
+                                   code_time_limit_s=5))
     try:
         return await s.grade("code", [LEAK], [{"input": "", "output": sys.argv[1] + "\n"}])
     finally:

@@ -8,10 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from areal.config import ConfigError
-from areal.data.problems import load_file_rows
+from areal.config import ConfigError, DatasetConfig
+from areal.data.dataset import load_rows
 
 DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def load_file_rows(task: str, path: str) -> list[dict]:
+    """The rows a run with dataset.type=task, dataset.path=path trains on."""
+    return load_rows(DatasetConfig(type=task, path=path), seed=0)
 
 
 def test_math_samples_in_jsonl_and_json():

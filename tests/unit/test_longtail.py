@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 
-from areal.data import longtail
+from areal.config import DatasetConfig
 from areal.data.dataset import load_rows
 from areal.models import tiny
-from areal.reward.service import GRADERS
+from areal.tasks import load_task, longtail
 
 LINE = re.compile(r"(\d\d) \+(\d) (\d\d\d)")
 
@@ -31,9 +31,9 @@ def test_scratchpad_counts_down_and_adds_one_line_per_step():
 
 
 def test_problems_are_consistent_and_seeded():
-    rows = longtail.make_problems(500, seed=3)
-    assert rows == longtail.make_problems(500, seed=3)
-    assert rows != longtail.make_problems(500, seed=4)
+    rows = load_rows(DatasetConfig(type="longtail", n_problems=500), seed=3)
+    assert rows == load_rows(DatasetConfig(type="longtail", n_problems=500), seed=3)
+    assert rows != load_rows(DatasetConfig(type="longtail", n_problems=500), seed=4)
     for row in rows:
         start, addend, steps = parse(row["prompt"])
         assert row["task"] == "longtail"
@@ -82,7 +82,7 @@ def test_lengths_in_tokens_match_the_tiny_tokenizer():
 )
 def test_grader_looks_at_the_final_answer_only(response, right):
     assert longtail.is_correct(response, "21") is right
-    assert GRADERS["longtail"](response, "21") is right
+    assert load_task("longtail").is_correct(response, "21") is right
 
 
 def test_warmup_answers_are_wrong_at_the_stated_rate_and_cover_every_length():
@@ -90,7 +90,7 @@ def test_warmup_answers_are_wrong_at_the_stated_rate_and_cover_every_length():
     wrong = total = 0
     longest = 0
     for _ in range(150):
-        for prompt, pad in tiny._longtail_batch(rng):
+        for prompt, pad in longtail.warmup_batch(rng):
             start, addend, steps = parse(prompt)
             lines = LINE.findall(pad)
             assert [int(m[0]) for m in lines] == list(range(steps - 1, -1, -1))
@@ -103,8 +103,6 @@ def test_warmup_answers_are_wrong_at_the_stated_rate_and_cover_every_length():
 
 
 def test_dataset_config_makes_longtail_rows():
-    from areal.config import DatasetConfig
-
     rows = load_rows(DatasetConfig(type="longtail", n_problems=50), seed=1)
     assert len(rows) == 50 and all(r["task"] == "longtail" for r in rows)
 

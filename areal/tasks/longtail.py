@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator
+
+from areal.tasks import Batch, Task
 
 ALPHA = 1.1  # the Pareto tail index of the number of steps
 SCALE = 2.0
@@ -60,7 +63,7 @@ def scratchpad(
 
 
 def make_problems(n: int, seed: int) -> list[dict]:
-    """n problems {"prompt", "answer", "task"} drawn with a fixed seed."""
+    """n problems {"prompt", "answer"} drawn with a fixed seed."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
@@ -70,7 +73,6 @@ def make_problems(n: int, seed: int) -> list[dict]:
             {
                 "prompt": prompt_text(start, addend, steps),
                 "answer": str(start + steps * addend),
-                "task": "longtail",
             }
         )
     return rows
@@ -87,3 +89,30 @@ def length_quantiles(n: int = 20000, seed: int = 0) -> dict[str, float]:
     rng = random.Random(seed)
     lengths = sorted(TOKENS_PER_STEP * draw_steps(rng) for _ in range(n))
     return {q: lengths[int(p * (n - 1))] for q, p in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+
+
+def warmup_batch(rng: random.Random) -> Batch:
+    """Repeated additions with a wrong step now and then (WARMUP_NOISE). One batch has
+    similar lengths (little padding); its length is the task's own heavy-tailed draw or, as
+    often as it takes to teach every counter and position, a uniform one."""
+    top = draw_steps(rng) if rng.random() < 0.7 else rng.randint(1, MAX_STEPS)
+    rows = []
+    for _ in range(32):
+        start, addend = rng.randint(0, MAX_START), rng.randint(1, MAX_ADDEND)
+        steps = rng.randint(max(1, top - 8), top)
+        pad = scratchpad(start, addend, steps, rng, WARMUP_NOISE)
+        rows.append((prompt_text(start, addend, steps), pad))
+    return rows
+
+
+def warmup(dataset_cfg, seed: int) -> Iterator[Batch]:
+    rng = random.Random(seed + 1)
+    while True:
+        yield warmup_batch(rng)
+
+
+def generate(dataset_cfg, seed: int) -> list[dict]:
+    return make_problems(dataset_cfg.n_problems, seed)
+
+
+TASK = Task(name="longtail", generate=generate, is_correct=is_correct, warmup=warmup)

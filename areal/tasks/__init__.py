@@ -1,0 +1,118 @@
+"""Tasks: what a single-turn problem is and how its answer is graded, one module each.
+
+    dataset.type = "arith" | "longtail" | "math" | "code"   (areal/tasks/<name>.py: TASK)
+                 | "package.module:object"                  (a Task of your own)
+        load_task(spec) --> Task
+            .generate(dataset_cfg, seed) | .from_record(record)  -> rows (areal.data.dataset)
+            .is_correct(response, answer, **.grader_options(cfg.reward))  (reward service pool)
+            .warmup(dataset_cfg, seed)  -> the tiny model's supervised batches (models/tiny.py)
+
+A row is {"prompt", "answer", "task"}: "task" is the spec it was loaded under, so the reward
+service (which gets it with every request) loads the same task in its pool processes. A new
+task is one module here defining `TASK = Task(...)` (or anywhere, named by
+"package.module:object"); nothing else names it.
+
+Importing this package and a task module is cheap (the config validates dataset.type with
+it): a task imports heavy graders (math-verify, sympy) inside its functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from areal.config import ConfigError
+
+SPEC = re.compile(r"[\w.]+:[\w.]+")
+"""A task of one's own: "package.module:object"."""
+
+Batch = list[tuple[str, str]]
+"""(prompt, worked answer) pairs of one supervised warm-up step."""
+
+
+def _no_options(reward_cfg: Any) -> dict:
+    return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """One single-turn task: its rows (made in code or read from dataset.path), its grader,
+    the grader's options and, for the tiny model, its warm-up data."""
+
+    name: str
+    is_correct: Callable[..., bool]
+    """(response, answer, **options) -> right or wrong. Runs in a reward service process
+    (killed past reward.timeout_s); an exception scores the response wrong and is counted."""
+    generate: Callable[[Any, int], list[dict]] | None = None
+    """(dataset_cfg, seed) -> rows {"prompt", "answer"} made in code (dataset.n_problems)."""
+    from_record: Callable[[dict], dict] | None = None
+    """A record of dataset.path -> row {"prompt", "answer"}; ValueError says what is wrong."""
+    record_fields: str = ""
+    """What a record needs, for the error when a file has no usable one."""
+    grader_options: Callable[[Any], dict] = _no_options
+    """(reward_cfg) -> keyword arguments of is_correct (e.g. the code sandbox's limits)."""
+    grader_imports: tuple[str, ...] = ()
+    """Heavy modules is_correct imports when called (a task module stays cheap to import):
+    the reward service imports them before its pool forks, so that no grading pays for them
+    within its time limit."""
+    warmup: Callable[[Any, int], Iterator[Batch]] | None = None
+    """(dataset_cfg, seed) -> supervised batches for the tiny model (None: no warm-up data;
+    a run without model.path then gets the arith model)."""
+
+    def __post_init__(self) -> None:
+        assert (self.generate is None) != (self.from_record is None), (
+            f"task {self.name!r}: give exactly one of generate and from_record"
+        )
+
+    @property
+    def needs_path(self) -> bool:
+        """Its rows are read from dataset.path."""
+        return self.from_record is not None
+
+
+@functools.cache
+def names() -> tuple[str, ...]:
+    """The built-in tasks' short names: made in code first, then read from a file."""
+    found = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    tasks = [_builtin(name) for name in found]
+    return tuple(t.name for t in sorted(tasks, key=lambda t: (t.needs_path, t.name)))
+
+
+def _builtin(name: str) -> Task:
+    task = importlib.import_module(f"{__name__}.{name}").TASK
+    assert isinstance(task, Task) and task.name == name, f"areal/tasks/{name}.py: TASK"
+    return task
+
+
+def known() -> str:
+    """The accepted values of dataset.type, for messages."""
+    return f'{", ".join(names())}, or "package.module:object" naming a Task'
+
+
+@functools.cache
+def load_task(spec: str) -> Task:
+    """The task a short name or "package.module:object" names; ConfigError saying what to fix."""
+    if not SPEC.fullmatch(spec):
+        if spec not in names():
+            raise ConfigError(f"unknown task {spec!r}: use one of {known()}")
+        return _builtin(spec)
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"task {spec!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH (the "
+            "run's working directory is)?"
+        ) from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"task {spec!r}: {module_name} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, Task):
+        raise ConfigError(f"task {spec!r} is a {type(obj).__name__}, not an areal.tasks.Task")
+    return obj
