@@ -3,9 +3,9 @@ stopped without training on any sample twice.
 
     {exp_dir}/checkpoints/v000020/
         model/                 HF directory (the policy after 20 updates)
-        optimizer.safetensors  optimizer and scheduler tensors
-        trainer.json           everything else of the trainer's state
-        optimizer-tp0-pp0.*    (megatron) each model-parallel rank's own optimizer state
+        trainer.json           the backend's state_dict (optimizer steps; megatron: tp, pp)
+        optimizer.safetensors  the tensors of trainer.json, if any
+        optimizer-tp0-pp0.*    the optimizer state of each model-parallel position (torch: one)
         controller.msgpack     dataset position, prompts to generate again, ready groups
 
 Written as `v000020.tmp/` and renamed once both roles (and every model-parallel trainer
