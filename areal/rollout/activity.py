@@ -11,7 +11,7 @@ A server is "generating" while it holds at least one request and is not paused: 
 from the first request in to the last out, not one per request, so a busy server records
 a handful of lines per weight version whatever its batch size. Requests resubmitted during
 a pause wait in the server; they count only once it continues. Called from the event loop's
-thread only (the aiohttp handlers), so it needs no lock. Versions are the engine's integers
+thread only (the aiohttp handlers), so it needs no lock. Versions are the DecodeEngine's integers
 (the server parsed the wire's strings with sglang_api.parse_weight_version).
 """
 

@@ -1,7 +1,7 @@
 """A KV-cached forward pass over a transformers decoder, for continuous batching on CPU.
 
 ```
- rows 0..n-1 of the cache = the engine's running requests, in row order
+ rows 0..n-1 of the cache = the decode engine's running requests, in row order
    prefill(row, tokens)   tokens -> K/V written at [0, len) of that row (causal SDPA)
    decode(tokens)         one token per row at position len(row): K/V appended, logits out
    move(srcs, dsts)       compaction when requests leave, so rows stay 0..n-1
@@ -14,10 +14,10 @@ transformers forward up to float rounding (tests/unit/test_kv_cache.py).
 
 Why not transformers' own caches: `DynamicCache`/`StaticCache` write one position per step
 for the whole batch, but continuous batching needs each row at its own length; its
-continuous-batching manager owns its own scheduler and thread, while the engine must decide
+continuous-batching manager owns its own scheduler and thread, while the decode engine must decide
 between steps what runs (pauses, aborts, weight versions), and it targets paged GPU kernels.
-The cache is a tensor per layer, [rows, kv_heads, capacity, head_dim], sized by the engine for
-the running requests' prompt + max_new_tokens within a budget of rows x capacity cells;
+The cache is a tensor per layer, [rows, kv_heads, capacity, head_dim], sized by the decode
+engine for the running requests' prompt + max_new_tokens within a budget of rows x capacity cells;
 attention reads each chunk of neighbouring rows only up to its longest row (rows are placed
 longest first when prefilled), so a decode step costs about the cells its rows hold.
 """
@@ -204,7 +204,7 @@ class KVCache:
         """Row ranges [a, b) attended to their own longest length + 1: a step's attention
         costs rows x longest, and with long-tailed lengths one chunk for all rows read 2.9x
         the cells the rows hold (a tiny_longtail run). Chunks of chunk_rows rows, taken
-        only when they read at most 3/4 of one chunk's cells; the engine places rows
+        only when they read at most 3/4 of one chunk's cells; the decode engine places rows
         longest first whenever it prefills them, so that neighbours have similar lengths."""
         n, lens = len(self.lens), self.lens
         whole = [(0, n, max(lens) + 1)]

@@ -10,7 +10,7 @@ same response shapes, 400 with {"error": {"message": ...}} for a bad request. Th
 are sglang_api.py's (`api`): this module holds only the handlers and the engine's wiring,
 and weight versions are the engine's integers, strings only on the wire. A handler waits
 for its requests' Futures (resolved by the decode thread) or, for pause/continue/update, for
-the engine call run in a worker thread; nothing blocks the event loop. /health answers 503
+the DecodeEngine call run in a worker thread; nothing blocks the event loop. /health answers 503
 until the model is loaded, which happens after the port is open.
 
     python -m areal.rollout.server --model DIR --port N [--host 127.0.0.1]
@@ -44,20 +44,22 @@ from areal.rollout.http_error import BadRequest
 
 logger = logging.getLogger(__name__)
 
-ENGINE_KEY = web.AppKey("engine", dict)
+STATE_KEY = web.AppKey("state", dict)
+"""The app's state: the DecodeEngine (None until loaded), the tokenizer path, the weight
+roots and the ServerActivity."""
 
 # ---- handlers -----------------------------------------------------------------------------
 
 
 def _state(request: web.Request) -> dict:
-    return request.app[ENGINE_KEY]
+    return request.app[STATE_KEY]
 
 
-def _engine(request: web.Request) -> DecodeEngine:
-    engine = _state(request).get("engine")
-    if engine is None:
+def _decode_engine(request: web.Request) -> DecodeEngine:
+    decode_engine = _state(request).get("decode_engine")
+    if decode_engine is None:
         raise web.HTTPServiceUnavailable(text="the model is still loading")
-    return engine
+    return decode_engine
 
 
 async def _json(request: web.Request) -> dict:
@@ -83,17 +85,17 @@ async def generate(request: web.Request) -> web.Response:
 
 
 async def _generate(request: web.Request) -> web.Response:
-    engine = _engine(request)
-    specs, is_batch = api.parse_generate_body(await _json(request), engine.tokenizer)
+    decode_engine = _decode_engine(request)
+    specs, is_batch = api.parse_generate_body(await _json(request), decode_engine.tokenizer)
     futures = []
     try:
         for spec in specs:
             futures.append(
-                asyncio.wrap_future(engine.submit(spec.rid, spec.input_ids, spec.params))
+                asyncio.wrap_future(decode_engine.submit(spec.rid, spec.input_ids, spec.params))
             )
     except ValueError as e:
         for spec in specs[: len(futures)]:
-            engine.abort(rid=spec.rid)
+            decode_engine.abort(rid=spec.rid)
         raise BadRequest(str(e)) from None
     except RuntimeError as e:  # shutting down
         raise web.HTTPServiceUnavailable(text=str(e)) from None
@@ -103,32 +105,32 @@ async def _generate(request: web.Request) -> web.Response:
         if pending and (request.transport is None or request.transport.is_closing()):
             # The client went away (SGLang does the same): free the batch slots.
             for spec in specs:
-                engine.abort(rid=spec.rid, message="The client disconnected.")
+                decode_engine.abort(rid=spec.rid, message="The client disconnected.")
     outputs = [
-        api.format_generate_output(f.result(), spec, engine.tokenizer)
+        api.format_generate_output(f.result(), spec, decode_engine.tokenizer)
         for f, spec in zip(futures, specs, strict=True)
     ]
     return web.json_response(outputs if is_batch else outputs[0])
 
 
 async def pause_generation(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    decode_engine = _decode_engine(request)
     mode = api.parse_pause_body(await _json(request))
     _state(request)["activity"].paused()
-    await asyncio.to_thread(engine.pause, mode)
+    await asyncio.to_thread(decode_engine.pause, mode)
     return web.json_response(api.format_pause_response())
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    decode_engine = _decode_engine(request)
     await _json(request)
-    await asyncio.to_thread(engine.continue_generation)
+    await asyncio.to_thread(decode_engine.continue_generation)
     _state(request)["activity"].continued()
     return web.json_response(api.format_continue_response())
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    decode_engine = _decode_engine(request)
     model_path, version, abort_all = api.parse_update_weights_body(await _json(request))
     problem = weights_path_problem(model_path, _state(request)["weight_roots"])
     if problem:
@@ -136,49 +138,57 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         body, status = api.format_update_weights_response(False, problem, 0)
         return web.json_response(body, status=status)
     with _state(request)["activity"].loading(version, interrupting=abort_all):
-        result = await asyncio.to_thread(engine.update_weights, model_path, version, abort_all)
+        result = await asyncio.to_thread(
+            decode_engine.update_weights, model_path, version, abort_all
+        )
     body, status = api.format_update_weights_response(*result)
     return web.json_response(body, status=status)
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    decode_engine = _decode_engine(request)
     rid, abort_all = api.parse_abort_body(await _json(request))
     if abort_all or rid:
-        engine.abort(rid=rid, abort_all=abort_all)
+        decode_engine.abort(rid=rid, abort_all=abort_all)
     return web.Response(status=200)
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    _engine(request)
+    _decode_engine(request)
     return web.Response(text=api.FLUSH_CACHE_TEXT)  # there is no prefix cache to flush
 
 
 async def health(request: web.Request) -> web.Response:
-    engine = _state(request).get("engine")
-    return web.Response(status=200 if engine is not None and engine.is_alive() else 503)
+    decode_engine = _state(request).get("decode_engine")
+    return web.Response(
+        status=200 if decode_engine is not None and decode_engine.is_alive() else 503
+    )
 
 
 async def model_info(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    decode_engine = _decode_engine(request)
     tokenizer_path = _state(request)["tokenizer_path"]
     return web.json_response(
-        api.format_model_info(engine.model_path, tokenizer_path, engine.weight_version)
+        api.format_model_info(
+            decode_engine.model_path, tokenizer_path, decode_engine.weight_version
+        )
     )
 
 
 async def weight_version(request: web.Request) -> web.Response:
-    return web.json_response(api.format_weight_version_response(_engine(request).weight_version))
+    return web.json_response(
+        api.format_weight_version_response(_decode_engine(request).weight_version)
+    )
 
 
 async def server_info(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    decode_engine = _decode_engine(request)
     info = api.format_server_info(
-        model_path=engine.model_path,
+        model_path=decode_engine.model_path,
         tokenizer_path=_state(request)["tokenizer_path"],
-        context_length=engine.context_len,
-        max_running_requests=engine.max_batch_size,
-        stats=engine.stats(),
+        context_length=decode_engine.context_len,
+        max_running_requests=decode_engine.max_batch_size,
+        stats=decode_engine.stats(),
     )
     return web.json_response(info)
 
@@ -201,14 +211,16 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 def create_app(
     tokenizer_path: str, api_key: str | None = None, weight_roots: list[str] | None = None
 ) -> web.Application:
-    """The application; put the engine at app[ENGINE_KEY]["engine"] once it is loaded."""
+    """The application; put the DecodeEngine at app[STATE_KEY]["decode_engine"] once loaded."""
     middlewares = [require_api_key(api_key), _errors] if api_key else [_errors]
     app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
     state: dict = {
-        "engine": None, "tokenizer_path": tokenizer_path, "weight_roots": weight_roots or [],
+        "decode_engine": None, "tokenizer_path": tokenizer_path, "weight_roots": weight_roots or [],
     }  # fmt: skip
-    state["activity"] = ServerActivity(lambda: getattr(state["engine"], "weight_version", None))
-    app[ENGINE_KEY] = state
+    state["activity"] = ServerActivity(
+        lambda: getattr(state["decode_engine"], "weight_version", None)
+    )
+    app[STATE_KEY] = state
     app.router.add_route("POST", "/generate", generate)
     app.router.add_route("PUT", "/generate", generate)
     app.router.add_post("/pause_generation", pause_generation)
@@ -245,7 +257,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        engine = await asyncio.to_thread(
+        decode_engine = await asyncio.to_thread(
             DecodeEngine,
             args.model,
             max_batch_size=args.max_batch_size,
@@ -258,12 +270,12 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"cannot load the model from {args.model}: {e}", file=sys.stderr)
         await runner.cleanup()
         return 1
-    app[ENGINE_KEY]["engine"] = engine
-    rolelog.set_context(version=lambda: engine.weight_version)
+    app[STATE_KEY]["decode_engine"] = decode_engine
+    rolelog.set_context(version=lambda: decode_engine.weight_version)
     print(f"areal embedded server ready at http://{args.host}:{args.port}", flush=True)
     await stop.wait()
     logger.info("shutting down")
-    engine.shutdown()  # resolves every waiting handler with an abort before the site closes
+    decode_engine.shutdown()  # resolves every waiting handler with an abort before the site closes
     await runner.cleanup()
     return 0
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from areal.rollout.http_error import BadRequest
 from areal.rollout.inference import FINISH_REASONS, GenerateOutput
 
-if TYPE_CHECKING:  # the engine imports torch; the client side must not
+if TYPE_CHECKING:  # engine.py imports torch; the client side must not
     from areal.rollout.engine import GenerationResult
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -488,7 +488,7 @@ def format_server_info(
     stats: dict[str, Any],
 ) -> dict[str, Any]:
     """/get_server_info: SGLang's is {**server_args, **scheduler_info, "internal_states": [...],
-    "version"}; the engine's counters (stats, with an integer weight_version) are also at the
+    "version"}; the DecodeEngine's counters (stats, with an integer weight_version) are also at the
     top level for tools that read them there."""
     stats = {**stats, "weight_version": format_weight_version(stats["weight_version"])}
     return {

@@ -8,7 +8,7 @@
 
 client: the worker's InferenceClient (areal/rollout/inference.py), made by the client factory
 of inference.backend (SGLangClient for SGLang and for the embedded server); the worker knows
-no wire format, so another engine is one more client class. server: the inference server.
+no wire format, so another inference backend (vLLM) is one more client class.
 
 | loop              | waits for                      | unblocked by                          |
 |-------------------|--------------------------------|---------------------------------------|
