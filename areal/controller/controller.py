@@ -1,10 +1,10 @@
 """The rollout controller: the staleness gate, the replay buffer, and the episodes between.
 
-    Draws (draws.py) --row--> [staleness gate] --admit--> episode (one group):
-                                                workflow.arun_episode(engine, row)
-                                                  engine.generate --> WorkerPool (pool.py)
-                                                  engine.grade    --> reward service
-    trainer <--get_batch(i)-- [replay buffer] <---- the group's trajectories --'
+    Draws (draws.py) --row--> [staleness gate] --admit--> the row's group: an episode
+                                  workflow.arun_episode(engine, row)               |
+                                    | engine.generate --> WorkerPool (pool.py)     |
+                                    | engine.grade    --> reward service           |
+    trainer <--get_batch(i)-- [replay buffer] <-- the group's trajectories --------'
     trainer --weights_ready(i+1)--> WorkerPool.update_weights --> gate.on_version(i+1)
 
 | loop            | waits for                                   | unblocked by                 |
@@ -17,8 +17,8 @@
 The episode is pluggable (rollout.workflow, areal/workflow/): the default samples G
 single-turn responses and grades them; an agent's episodes call the model through an
 OpenAI-compatible endpoint. One admitted row is one group, which the gate counts once
-however many calls its episodes make. A rejected or timed-out group frees its place and its row is
-drawn again; routing, failover and the weight fan-out are the pool's (pool.py).
+however many calls its episodes make. A rejected or timed-out group frees its place and
+its row is drawn again. Routing, failover and the weight fan-out are the pool's (pool.py).
 
 Everything runs on one asyncio loop, so the gate, the buffer and the draws need no lock:
 their state changes only between awaits, and `changed` wakes whoever waits on them. The

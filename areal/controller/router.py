@@ -3,7 +3,8 @@
 The samples of one prompt go to one server, and a group that a dead server left
 unfinished goes back to the server it was on when that one is alive again; otherwise
 the alive server with the fewest groups in flight takes it. Pure bookkeeping on the
-controller's event loop; the controller marks servers dead and alive.
+controller's event loop; the worker pool (pool.py) counts the load and marks servers dead
+and alive.
 """
 
 from __future__ import annotations
