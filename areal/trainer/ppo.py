@@ -18,7 +18,7 @@ import torch
 
 def behaviour_weight_mask(
     proximal_logprobs: torch.Tensor,
-    behavior_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     behav_imp_weight_cap: float | None = None,
 ) -> torch.Tensor:
@@ -29,7 +29,7 @@ def behaviour_weight_mask(
     """
     valid = loss_mask.bool()
     if behav_imp_weight_cap is not None:
-        weight = torch.exp(proximal_logprobs - behavior_logprobs)
+        weight = torch.exp(proximal_logprobs - behaviour_logprobs)
         valid = valid & (weight <= behav_imp_weight_cap)
     return valid
 
@@ -37,7 +37,7 @@ def behaviour_weight_mask(
 def decoupled_ppo_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
-    behavior_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     eps_clip: float = 0.2,
@@ -51,13 +51,13 @@ def decoupled_ppo_loss(
     on how the minibatch was cut. None means this micro-batch's own count (a plain mean).
     """
     valid = behaviour_weight_mask(
-        proximal_logprobs, behavior_logprobs, loss_mask, behav_imp_weight_cap
+        proximal_logprobs, behaviour_logprobs, loss_mask, behav_imp_weight_cap
     )
     n_local = valid.sum()
     denom = n_valid_tokens if n_valid_tokens is not None else n_local.clamp(min=1)
 
     # Behaviour weight pi_prox / pi_behav: a constant that corrects for stale sampling.
-    behav_weight = torch.exp(proximal_logprobs - behavior_logprobs).detach()
+    behav_weight = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
     # u = pi_theta / pi_prox: the trust region is centred on the proximal policy.
     log_ratio = logprobs - proximal_logprobs.detach()
     ratio = torch.exp(log_ratio)
