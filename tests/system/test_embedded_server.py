@@ -256,9 +256,9 @@ def test_pause_abort_returns_partial_outputs_and_holds_new_requests(server, prom
             assert 0 < len(out.output_ids) < 400 and len(out.logprobs) == len(out.output_ids)
 
         late = asyncio.create_task(client.generate(prompts[5], {"max_new_tokens": 3}))
-        await asyncio.sleep(0.5)
+        # The server has the request (held) before we look: not done means held, not unsent.
+        state = await wait_for_info(server, lambda s: s["num_held_reqs"] == 1)
         assert not late.done()
-        state = await info(server)
         assert (state["paused"], state["num_held_reqs"], state["num_running_reqs"]) == (
             "abort",
             1,
@@ -277,13 +277,17 @@ def test_pause_in_place_keeps_requests_and_resumes_them(server, model_dir, promp
         start = (await info(server))["total_generated_tokens"]
         params = {"max_new_tokens": 150, "ignore_eos": True}
         tasks = [asyncio.create_task(client.generate(p, params)) for p in prompts[:2]]
+        t0 = time.monotonic()
         await wait_for_info(
             server,
             lambda s: s["num_running_reqs"] == 2 and s["total_generated_tokens"] >= start + 4,
         )
+        four_tokens_s = time.monotonic() - t0
         await client.pause_generation(mode)
         frozen = await info(server)
-        await asyncio.sleep(0.3)
+        # Long enough for at least 12 more tokens at the pace just measured, however loaded
+        # the machine: an unpaused server would have moved.
+        await asyncio.sleep(max(0.3, 3 * four_tokens_s))
         still = await info(server)
         assert still["total_generated_tokens"] == frozen["total_generated_tokens"]
         assert still["num_running_reqs"] + still["num_waiting_reqs"] == 2
