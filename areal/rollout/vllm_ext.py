@@ -1,7 +1,8 @@
 """Code that runs inside a vLLM server: an exact weight reload and our API-key rule.
 
 ```
- VLLMClient --Authorization: Bearer KEY--> RequireAPIKey (--middleware) --> vLLM API server
+ VLLMClient --Authorization: Bearer KEY--> RequireAPIKey, StartWeightVersion (--middleware)
+                                                                      --> vLLM API server
             --POST /collective_rpc {"method": "areal_reload_weights"}--> engine core
                                                 --> AReaLWorker (--worker-extension-cls) --> model
 ```
@@ -10,6 +11,9 @@ Imported by the vLLM environment's interpreter, which has none of areal's own de
 only the standard library, vLLM and torch are imported here (the launcher puts the repository
 root on the server's PYTHONPATH; areal/__init__.py and areal/rollout/__init__.py import
 nothing).
+
+StartWeightVersion: vLLM starts at weight version "default" and has no flag for another;
+a resumed run's server starts from checkpoint N and must report N.
 
 RequireAPIKey: vLLM's own `--api-key` guards only paths under /v1, /v2, /inference and
 /cohere; the development routes a weight update needs (/pause, /resume, /collective_rpc,
@@ -42,6 +46,8 @@ import torch
 
 API_KEY_ENV = "AREAL_API_KEY"
 """Same name as areal.rollout.auth.API_KEY_ENV (not imported: see the module docstring)."""
+WEIGHT_VERSION_ENV = "AREAL_WEIGHT_VERSION"
+"""The weight version a server starts with (StartWeightVersion)."""
 WEIGHTS_ROOTS_ENV = "AREAL_WEIGHTS_ROOTS"
 """os.pathsep-separated directories weights may be reloaded from (unset: anywhere)."""
 _OPEN_PATHS = ("/health", "/metrics")
@@ -74,6 +80,25 @@ class RequireAPIKey:
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+class StartWeightVersion:
+    """ASGI middleware (`--middleware areal.rollout.vllm_ext.StartWeightVersion`): the weight
+    version the server reports until the first update is $AREAL_WEIGHT_VERSION, not vLLM's
+    "default" (SGLang's --weight-version; vLLM has no such flag). Set before the first request
+    (a /health probe included) is answered, so no output is ever tagged with "default"."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self._version = os.environ.get(WEIGHT_VERSION_ENV)
+        self._done = self._version is None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if not self._done and scope["type"] == "http":
+            # vLLM keeps its engine client on the app's state (every router reads it there).
+            await scope["app"].state.engine_client.update_weight_version(self._version)
+            self._done = True
+        return await self.app(scope, receive, send)
 
 
 def weights_path_problem(path: str) -> str | None:
