@@ -236,7 +236,8 @@ def test_update_pauses_reloads_labels_empties_cache_and_resumes():
     assert result["success"]
     assert fake.calls == [
         "POST /pause?mode=abort null",
-        'POST /collective_rpc {"method": "areal_reload_weights", "kwargs": {"weights_path": "/w/v5"}}',
+        "POST /collective_rpc "
+        '{"method": "areal_reload_weights", "kwargs": {"weights_path": "/w/v5"}}',
         'POST /update_weight_version {"new_version": "5"}',
         "POST /reset_prefix_cache null",
         "POST /resume null",
