@@ -34,6 +34,9 @@ Where vLLM differs from SGLang, and what this module does about it:
 - Unknown sampling parameters are silently ignored by vLLM; here they are a ValueError.
 - An aborted request has finish_reason "abort" with its partial tokens and log-probs, as
   SGLang's, but no message: GenerateOutput.message is "aborted".
+- /abort_requests of a request that the engine has not registered yet (just sent) does
+  nothing and still answers "aborted". A pause does not have this gap: a request that
+  reaches the engine while it is paused waits in its queue.
 """
 
 from __future__ import annotations
@@ -191,6 +194,21 @@ def parse_collective_rpc(body: Any) -> list[Any]:
     return body["results"]
 
 
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def parse_metrics(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The sum over label sets of each named sample in Prometheus text (0 when absent)."""
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 class VLLMClient:
     """Async calls to one vLLM server; one aiohttp session per client and event loop."""
 
@@ -308,14 +326,19 @@ class VLLMClient:
         }
 
     async def server_info(self) -> dict:
-        """Load and state: num_running_reqs (requests in flight, from /load), is_paused,
-        weight_version and version (vLLM's)."""
+        """Load and state: num_running_reqs and num_waiting_reqs (the engine's, from /metrics),
+        num_http_requests (requests being answered, from /load), is_paused, weight_version
+        and version (vLLM's)."""
         load = await self._call("GET", "/load", None)
+        metrics = await self._call("GET", "/metrics", None)
         paused = await self._call("GET", "/is_paused", None)
         weights = await self._call("GET", "/weight_info", None)
         version = await self._call("GET", "/version", None)
+        gauges = parse_metrics(str(metrics), _GAUGES)
         return {
-            "num_running_reqs": int((load or {}).get("server_load", 0)),
+            "num_running_reqs": int(gauges["vllm:num_requests_running"]),
+            "num_waiting_reqs": int(gauges["vllm:num_requests_waiting"]),
+            "num_http_requests": int((load or {}).get("server_load", 0)),
             "is_paused": bool((paused or {}).get("is_paused")),
             "weight_version": (weights or {}).get("weight_version"),
             "version": (version or {}).get("version"),

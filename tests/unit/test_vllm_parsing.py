@@ -23,6 +23,7 @@ from areal.rollout.vllm_client import (
     engine_request_id,
     parse_collective_rpc,
     parse_generate_response,
+    parse_metrics,
     translate_sampling_params,
 )
 from areal.rollout.vllm_launch import vllm_server_command
@@ -186,6 +187,22 @@ def test_collective_rpc_results():
     )
     with pytest.raises(ValueError, match="results"):
         parse_collective_rpc({"status": "ok"})
+
+
+def test_metrics_gauges_are_summed_over_label_sets():
+    text = (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="/m"} 2.0\n'
+        'vllm:num_requests_running{engine="1",model_name="/m"} 1.0\n'
+        'vllm:num_requests_running_total{engine="0"} 9.0\n'
+        "python_gc_objects_collected_total 3.0\n"
+    )
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    assert parse_metrics(text, names) == {
+        "vllm:num_requests_running": 3.0,
+        "vllm:num_requests_waiting": 0.0,
+    }
 
 
 # ---- the client's calls, against a fake server ---------------------------------------------
