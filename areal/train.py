@@ -81,6 +81,7 @@ def prepare_experiment(cfg):
         warm = cfg.dataset.type if task.warmup is not None else "arith"
         name = (  # a task "pkg.mod:TASK" makes the directory tiny-pkg.mod_TASK-...
             f"tiny-{re.sub(r'[^0-9A-Za-z_.-]', '_', warm)}-h{m.tiny_hidden}-l{m.tiny_layers}"
+            f"{f'-a{m.tiny_heads}' if m.tiny_heads != 4 else ''}"
             f"-w{m.tiny_warmup_steps}-m{cfg.dataset.max_operand}-s{cfg.seed}"
         )
         print(f"areal: using the tiny model {Path(cfg.fileroot) / 'models' / name}")
@@ -90,6 +91,7 @@ def prepare_experiment(cfg):
                 seed=cfg.seed,
                 hidden=m.tiny_hidden,
                 layers=m.tiny_layers,
+                heads=m.tiny_heads,
                 warmup_steps=m.tiny_warmup_steps,
                 max_operand=cfg.dataset.max_operand,
                 task=warm,

@@ -135,6 +135,10 @@ class Launcher(abc.ABC):
             file=sys.stderr,
             flush=True,
         )
+        try:  # what the dead server left in its group (vLLM's engine processes) goes too
+            os.killpg(p.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.procs[i] = self.start(p.step, p.restarts + 1)
 
     def stop_all(self, grace_s: float = 10.0) -> None:

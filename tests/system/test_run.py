@@ -131,10 +131,10 @@ def test_a_whole_run_without_interruptible_generation(tmp_path):
 
 
 @contextlib.contextmanager
-def launched(tmp_path: Path, *overrides: str):
+def launched(tmp_path: Path, *overrides: str, config: Path | None = None):
     """`python -m areal.train` running in the background; killed if the test fails."""
     launcher = subprocess.Popen(
-        train_cmd(tmp_path, *overrides),
+        train_cmd(tmp_path, *overrides, config=config),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -217,8 +217,9 @@ def test_a_formatted_generate_output_parses_back():
 
 
 def test_client_factory_by_backend():
-    for backend in ("embedded", "sglang"):
+    for backend in ("embedded", "sglang", "vllm"):
         factory = client_factory(backend)
         assert isinstance(factory("http://127.0.0.1:1/", api_key="k"), InferenceClient)
-    with pytest.raises(ValueError, match="inference.backend='vllm'"):
-        client_factory("vllm")
+    assert client_factory("vllm").__name__ == "VLLMClient"
+    with pytest.raises(ValueError, match="inference.backend='trt'"):
+        client_factory("trt")

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from areal.comm.net import free_port
 from areal.rollout import vllm_ext
-from areal.rollout.client import GenerateOutput
+from areal.rollout.inference import GenerateOutput
 from areal.rollout.vllm_client import (
     VLLMClient,
     build_generate_request,

