@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -68,7 +69,7 @@ def save(exp_dir: str | Path, version: int, write: Callable[[Path], None]) -> Ch
 
 
 # ---- tensors apart from structure: safetensors + JSON instead of pickle ----------------------
-def _key(k):
+def _key(k: Any) -> Any:
     """A dict key as JSON: Megatron's optimizer state is keyed by ints and (dtype, dtype)."""
     if isinstance(k, torch.dtype):
         return {"__dtype__": str(k).removeprefix("torch.")}
@@ -77,7 +78,7 @@ def _key(k):
     return k
 
 
-def _unkey(k):
+def _unkey(k: Any) -> Any:
     if isinstance(k, dict) and "__dtype__" in k:
         return getattr(torch, k["__dtype__"])
     if isinstance(k, dict) and "__tuple__" in k:
@@ -85,7 +86,7 @@ def _unkey(k):
     return k
 
 
-def _split(obj, tensors: dict[str, torch.Tensor], prefix: str):
+def _split(obj: Any, tensors: dict[str, torch.Tensor], prefix: str):
     if isinstance(obj, torch.Tensor):
         tensors[prefix] = obj.detach().cpu().contiguous()
         return {"__tensor__": prefix}
@@ -104,7 +105,7 @@ def _split(obj, tensors: dict[str, torch.Tensor], prefix: str):
     return obj
 
 
-def _join(obj, tensors: dict[str, torch.Tensor]):
+def _join(obj: Any, tensors: dict[str, torch.Tensor]):
     if isinstance(obj, dict) and "__tensor__" in obj:
         return tensors[obj["__tensor__"]]
     if isinstance(obj, dict) and "__dict__" in obj:

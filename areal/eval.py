@@ -28,9 +28,13 @@ import secrets
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal.config import ConfigError, DatasetConfig, RewardConfig, RolloutConfig, load_config
 from areal.rollout.auth import API_KEY_ENV
+
+if TYPE_CHECKING:
+    from areal.trajectory import Trajectory
 
 DEFAULT_SAMPLING = {"max_new_tokens": 1024, "temperature": 0.6, "top_p": 0.95}
 
@@ -75,7 +79,7 @@ def infer_task(path: str, max_records: int = 1000) -> str:
     )
 
 
-def load_problems(args) -> list[dict]:
+def load_problems(args: argparse.Namespace) -> list[dict]:
     """The task's rows: dataset.n_problems = --max-problems (32) of a task made in code."""
     from areal.data.dataset import load_rows
 
@@ -90,12 +94,14 @@ def load_problems(args) -> list[dict]:
     return rows[: args.max_problems] if args.max_problems else rows
 
 
-def episode_passed(trajs) -> bool:
+def episode_passed(trajs: list[Trajectory] | None) -> bool:
     """A sample of the episode earned a positive reward (None: declined, a failure)."""
     return bool(trajs) and max(t.reward for t in trajs) > 0
 
 
-async def sample_and_grade(args, rows: list[dict], url: str) -> list[list[bool]]:
+async def sample_and_grade(
+    args: argparse.Namespace, rows: list[dict], url: str
+) -> list[list[bool]]:
     from areal.reward.service import RewardService
     from areal.rollout.client import SGLangClient
     from areal.rollout.launch import wait_for_server
@@ -168,7 +174,7 @@ async def sample_and_grade(args, rows: list[dict], url: str) -> list[list[bool]]
         service.close()
 
 
-def parse_args(argv: list[str] | None):
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m areal.eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model directory (tokenizer; and served)")
     p.add_argument("--data", help="JSON/JSONL/parquet file of problems (default: --config's)")
@@ -212,7 +218,7 @@ def parse_args(argv: list[str] | None):
     return args
 
 
-def resolve_settings(args) -> None:
+def resolve_settings(args: argparse.Namespace) -> None:
     """--config's sections, overridden by the flags given; ConfigError for a mistake."""
     base = load_config(args.config) if args.config else None
     rollout = base.rollout if base else RolloutConfig()

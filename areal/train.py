@@ -14,11 +14,17 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from areal.config import ConfigError, load_config, save_config
+from areal.config import ConfigError, ExperimentConfig, load_config, save_config
+
+if TYPE_CHECKING:
+    from areal.checkpoint import Checkpoint
+    from areal.launcher.plan import Plan
+    from areal.launcher.slurm import Allocation
 
 
-def prepare_experiment(cfg):
+def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
     """Make the experiment directory ready for a fresh or resumed run; resolve the model."""
     from areal.checkpoint import checkpoints_root, latest
     from areal.comm.registry import create_key
@@ -107,7 +113,7 @@ def prepare_experiment(cfg):
     return ckpt
 
 
-def prepare_recovery(cfg, n: int) -> None:
+def prepare_recovery(cfg: ExperimentConfig, n: int) -> None:
     """Ready the experiment directory for the n-th automatic restart of the run: exactly
     what resume=true does, keeping the failed attempt's logs in logs.attempt{n-1}/."""
     logs = cfg.exp_dir / "logs"
@@ -117,7 +123,7 @@ def prepare_recovery(cfg, n: int) -> None:
     prepare_experiment(cfg)
 
 
-def plan_run(cfg):
+def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | None]:
     """The placement of `cfg` (and, under SLURM, the allocation); sets rollout.n_servers and
     trainer.parallel.dp to what it placed."""
     alloc = None
@@ -159,7 +165,7 @@ def plan_run(cfg):
     return plan, alloc
 
 
-def check_loggers_installed(cfg) -> None:
+def check_loggers_installed(cfg: ExperimentConfig) -> None:
     """A configured logger whose package is missing is a setup mistake: say so before the
     run starts (a logger that fails while running only warns)."""
     import importlib.util

@@ -16,7 +16,7 @@ import signal
 from areal import events, rolelog
 from areal.comm.registry import Registry, load_key
 from areal.comm.rpc import RpcServer
-from areal.config import load_config
+from areal.config import ExperimentConfig, load_config
 from areal.events import events_path
 
 # "server" registers inference server k and becomes it (areal/rollout/launch.py).
@@ -30,7 +30,7 @@ async def _serve_until_stopped(server: RpcServer) -> None:
     await server.serve()
 
 
-async def _rollout(cfg, index: int, key: bytes) -> None:
+async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     from areal.rollout.auth import api_key
     from areal.rollout.inference import client_factory
     from areal.rollout.launch import server_log_path, wait_for_server
@@ -71,7 +71,7 @@ async def _rollout(cfg, index: int, key: bytes) -> None:
         raise fatal[0]
 
 
-async def _reward(cfg, index: int, key: bytes) -> None:
+async def _reward(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     from areal.reward.service import RewardService
 
     service = RewardService(cfg.reward)
@@ -85,7 +85,7 @@ async def _reward(cfg, index: int, key: bytes) -> None:
         service.close()
 
 
-def _controller(cfg, key: bytes) -> None:
+def _controller(cfg: ExperimentConfig, key: bytes) -> None:
     from transformers import AutoTokenizer
 
     from areal.checkpoint import latest

@@ -35,11 +35,13 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from areal.checkpoint import Checkpoint
 from areal.comm.registry import Registry
 from areal.comm.rpc import RpcClient, RpcServer
 from areal.comm.wire import pack, unpack
+from areal.config import ExperimentConfig
 from areal.controller.buffer import ReplayBuffer
 from areal.controller.draws import Draws
 from areal.controller.pool import WorkerPool
@@ -48,15 +50,18 @@ from areal.process import RESTARTS_ENV
 from areal.trajectory import Trajectory
 from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, Workflow, load_workflow
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger("areal.controller")
 
 
 class Controller:
     def __init__(
         self,
-        cfg,
+        cfg: ExperimentConfig,
         rows: list[dict],
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         workers: list[RpcClient],
         reward: RpcClient | None,
         workflow: Workflow | None = None,
@@ -156,7 +161,7 @@ class Controller:
             self.changed.notify_all()
         return trajs
 
-    async def _grade(self, task: str, responses: list[str], answer) -> list[float]:
+    async def _grade(self, task: str, responses: list[str], answer: Any) -> list[float]:
         return await self.reward.call("grade", task=task, responses=responses, answer=answer)
 
     # ---- trainer-facing RPCs ---------------------------------------------------------
@@ -237,7 +242,11 @@ class Controller:
 
 
 async def run_controller(
-    cfg, tokenizer, rows: list[dict], key: bytes, resume_from: Checkpoint | None = None
+    cfg: ExperimentConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    key: bytes,
+    resume_from: Checkpoint | None = None,
 ) -> None:
     registry = Registry(cfg.exp_dir)
     # Rollout workers register once their server is healthy, which can take minutes.

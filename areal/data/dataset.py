@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from areal.config import ConfigError
+from areal.config import ConfigError, DatasetConfig
 from areal.data.files import BadRecord, read_records
 from areal.tasks import load_task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("areal.data")
 
 _LOGGED = 10  # malformed rows logged one by one at most; the rest only counted
 
 
-def load_rows(dataset_cfg, seed: int) -> list[dict]:
+def load_rows(dataset_cfg: DatasetConfig, seed: int) -> list[dict]:
     """The rows of dataset.type's task, each tagged with it ("task")."""
     spec = dataset_cfg.type
     task = load_task(spec)
@@ -65,7 +69,9 @@ def file_rows(
     return rows
 
 
-def tokenize_rows(rows: list[dict], tokenizer, max_prompt_len: int) -> list[dict]:
+def tokenize_rows(
+    rows: list[dict], tokenizer: PreTrainedTokenizerBase, max_prompt_len: int
+) -> list[dict]:
     """Adds "prompt_ids" (chat template applied); drops prompts over max_prompt_len."""
     out = []
     for row in rows:

@@ -18,7 +18,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.utils import logging as hf_logging
 
 from areal.config import DatasetConfig
@@ -65,7 +70,9 @@ def build_tokenizer(seed: int = 0) -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_config(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4) -> Qwen2Config:
+def tiny_config(
+    tokenizer: PreTrainedTokenizerBase, hidden: int = 64, layers: int = 2, heads: int = 4
+) -> Qwen2Config:
     return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -82,7 +89,7 @@ def tiny_config(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4) ->
     )
 
 
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     """Token ids of a one-turn ChatML conversation ending where the assistant speaks."""
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}],
@@ -92,7 +99,14 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     )
 
 
-def _warm_up(model, tokenizer, steps: int, task: str, max_operand: int, seed: int) -> None:
+def _warm_up(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    steps: int,
+    task: str,
+    max_operand: int,
+    seed: int,
+) -> None:
     """Supervised steps on the task's worked answers, so that RL starts from a model that
     knows the format, as the paper's runs start from a distilled model."""
     if steps <= 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 from areal.reward.sandbox import Limits, run_python
 
@@ -55,7 +56,7 @@ def extract_program(response: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-def parse_tests(tests) -> list[Case]:
+def parse_tests(tests: Any) -> list[Case]:
     """Normalise any accepted test form to cases; raises ValueError on an unknown form."""
     if isinstance(tests, str):
         tests = json.loads(tests)
@@ -84,7 +85,7 @@ def _tokens(text: str) -> list[list[str]]:
     return [ln for ln in lines if ln]
 
 
-def same_output(actual: str, expected) -> bool:
+def same_output(actual: str, expected: Any) -> bool:
     """Token-by-token, line-by-line equality; numbers within 1e-6 (relative) are equal."""
     if isinstance(expected, list):  # some TACO rows hold the expected lines as a list
         expected = "\n".join(map(str, expected))
@@ -107,13 +108,13 @@ def _same_token(x: str, y: str) -> bool:
     return abs(fx - fy) <= 1e-6 * max(1.0, abs(fy))
 
 
-def _call_args(raw) -> list:
+def _call_args(raw: Any) -> list:
     if isinstance(raw, list):
         return raw
     return [json.loads(line) for line in str(raw).splitlines() if line.strip()]
 
 
-def _expected_value(raw):
+def _expected_value(raw: Any) -> Any:
     if isinstance(raw, str):
         try:
             return json.loads(raw)
@@ -145,7 +146,7 @@ def passes(program: str, case: Case, limits: Limits) -> bool:
     return result == expected or [result] == expected
 
 
-def is_correct(response: str, tests, time_limit_s: float = 6.0, memory_mb: int = 1024) -> bool:
+def is_correct(response: str, tests: Any, time_limit_s: float = 6.0, memory_mb: int = 1024) -> bool:
     """True when the last code block of `response` passes every test (stops at a failure)."""
     program = extract_program(response)
     if program is None:

@@ -19,6 +19,7 @@ import asyncio
 import importlib
 import logging
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
 
@@ -30,7 +31,7 @@ from areal.tasks import load_task
 log = logging.getLogger("areal.reward")
 
 
-def grade_one(task: str, response: str, answer, options: dict) -> bool:
+def grade_one(task: str, response: str, answer: Any, options: dict) -> bool:
     """Runs in a pool process (which loads the task once); `options` are the grader's
     keyword arguments. The answer is whatever the row holds (msgpack-able)."""
     return bool(load_task(task).is_correct(response, answer, **options))
@@ -62,7 +63,7 @@ class RewardService:
         self.slots = asyncio.Semaphore(cfg.n_workers)
         self.counts = {"graded": 0, "timeouts": 0, "errors": 0}
 
-    async def grade(self, task: str, responses: list[str], answer) -> list[float]:
+    async def grade(self, task: str, responses: list[str], answer: Any) -> list[float]:
         if task not in self.options:  # an unknown task fails the request (ConfigError)
             grader = load_task(task)
             for module in grader.grader_imports:  # before the pool forks (on its first use)
@@ -71,11 +72,11 @@ class RewardService:
         verdicts = await asyncio.gather(*(self._grade(task, r, answer) for r in responses))
         return [self.correct if ok else self.wrong for ok in verdicts]
 
-    async def _grade(self, task: str, response: str, answer) -> bool:
+    async def _grade(self, task: str, response: str, answer: Any) -> bool:
         async with self.slots:
             return await self._grade_now(task, response, answer)
 
-    async def _grade_now(self, task: str, response: str, answer) -> bool:
+    async def _grade_now(self, task: str, response: str, answer: Any) -> bool:
         self.counts["graded"] += 1
         future = self.pool.schedule(
             grade_one, (task, response, answer, self.options[task]), timeout=self.timeout_s

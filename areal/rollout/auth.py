@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from areal.comm.registry import load_key
 
@@ -45,7 +46,7 @@ def require_api_key(key: str) -> web.middleware:
     rejected = 0
 
     @web.middleware
-    async def check(request: web.Request, handler) -> web.StreamResponse:
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         nonlocal rejected
         if request.method == "OPTIONS" or request.path.startswith(_OPEN_PATHS):
             return await handler(request)

@@ -160,7 +160,14 @@ class SGLangClient:
         except (aiohttp.ClientConnectionError, ConnectionError) as e:
             raise ServerDied(self.base_url, f"{method} {path}", e) from e
 
-    def _content(self, method: str, path: str, resp, raw: bytes, ok_statuses) -> Any:
+    def _content(
+        self,
+        method: str,
+        path: str,
+        resp: aiohttp.ClientResponse,
+        raw: bytes,
+        ok_statuses: tuple[int, ...],
+    ) -> Any:
         try:
             content: Any = json.loads(raw) if raw.strip() else None
         except ValueError:

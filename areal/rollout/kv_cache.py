@@ -217,7 +217,7 @@ class KVCache:
         cells = sum((b - a) * width for a, b, width in parts)
         return parts if 4 * cells <= 3 * n * whole[0][2] else whole
 
-    def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normed hidden states [B, L, H] -> rotated q, k and v, each [B, heads, L, D]."""
         attn = layer.self_attn
         x = layer.input_layernorm(h)
@@ -231,7 +231,9 @@ class KVCache:
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     @staticmethod
-    def _finish_layer(layer, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(
+        layer: torch.nn.Module, h: torch.Tensor, attn_out: torch.Tensor
+    ) -> torch.Tensor:
         """Attention output [B, heads, L, D] -> output projection, residual, MLP, residual."""
         b, _, length, _ = attn_out.shape
         h = h + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, length, -1))

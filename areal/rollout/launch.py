@@ -34,6 +34,7 @@ from areal.config import ConfigError, ExperimentConfig
 from areal.events import events_path
 from areal.launcher.plan import role_threads
 from areal.rollout.auth import API_KEY_ENV, api_key
+from areal.rollout.inference import InferenceClient
 from areal.rollout.vllm_launch import vllm_server_command, vllm_version_problem
 
 SUPPORTED_SGLANG = "0.5.23"
@@ -42,7 +43,7 @@ COMMAND_PREFIX = "areal: server command: "
 """Start of the first line of a server's log: the command line that started it."""
 
 
-def _start_weights(cfg) -> tuple[str, int]:
+def _start_weights(cfg: ExperimentConfig) -> tuple[str, int]:
     """Model directory and weight version to serve: a resumed run's checkpoint, else the model."""
     if cfg.resume:
         from areal.checkpoint import latest  # imports torch: only when it is needed
@@ -53,7 +54,9 @@ def _start_weights(cfg) -> tuple[str, int]:
     return cfg.model.path, 0
 
 
-def server_command(cfg, k: int, host: str, port: int, api_key: str | None = None) -> list[str]:
+def server_command(
+    cfg: ExperimentConfig, k: int, host: str, port: int, api_key: str | None = None
+) -> list[str]:
     """The command line of inference server k, listening on host:port (for SGLang, with
     api_key; an embedded server reads it from its environment instead)."""
     inf = cfg.inference
@@ -174,7 +177,7 @@ def sglang_version_problem(python: str) -> str | None:
     )
 
 
-def exec_server(cfg, k: int) -> None:
+def exec_server(cfg: ExperimentConfig, k: int) -> None:
     """Register server k's URL, then become the server process; does not return."""
     host = net.bind_host()
     port = net.free_port(host)
@@ -267,7 +270,7 @@ def explain_start_failure(
 
 
 async def wait_for_server(
-    client,
+    client: InferenceClient,
     timeout: float,
     log_path: Path | None = None,
     proc: subprocess.Popen | None = None,

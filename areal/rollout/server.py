@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from areal import events, rolelog
 from areal.rollout import sglang_api as api
@@ -194,7 +195,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler) -> web.StreamResponse:
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Client mistakes become 400 with SGLang's error body, never a 500 with a traceback."""
     try:
         return await handler(request)

@@ -40,6 +40,7 @@ import hashlib
 import hmac
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ class RequireAPIKey:
     """ASGI middleware (`--middleware areal.rollout.vllm_ext.RequireAPIKey`): 401 for any
     request without `Authorization: Bearer $AREAL_API_KEY`, bar /health and /metrics."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: Callable) -> None:
         key = os.environ.get(API_KEY_ENV)
         if not key:
             raise RuntimeError(
@@ -66,7 +67,7 @@ class RequireAPIKey:
         self.app = app
         self._expected = hashlib.sha256(f"Bearer {key}".encode()).digest()
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
         if scope["path"].startswith(_OPEN_PATHS):
@@ -88,12 +89,12 @@ class StartWeightVersion:
     "default" (SGLang's --weight-version; vLLM has no such flag). Set before the first request
     (a /health probe included) is answered, so no output is ever tagged with "default"."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: Callable) -> None:
         self.app = app
         self._version = os.environ.get(WEIGHT_VERSION_ENV)
         self._done = self._version is None
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if not self._done and scope["type"] == "http":
             # vLLM keeps its engine client on the app's state (every router reads it there).
             await scope["app"].state.engine_client.update_weight_version(self._version)

@@ -11,6 +11,7 @@ import random
 import re
 from collections.abc import Iterator
 
+from areal.config import DatasetConfig
 from areal.tasks import Batch, Task
 
 _LAST_INT = re.compile(r"-?\d+")
@@ -32,7 +33,7 @@ def is_correct(response: str, answer: str) -> bool:
     return bool(found) and found[-1] == answer.strip()
 
 
-def warmup(dataset_cfg, seed: int) -> Iterator[Batch]:
+def warmup(dataset_cfg: DatasetConfig, seed: int) -> Iterator[Batch]:
     """Sums whose answer is replaced by a random number half of the time: the model learns
     the format and only part of the arithmetic."""
     rng = random.Random(seed + 1)
@@ -46,7 +47,7 @@ def warmup(dataset_cfg, seed: int) -> Iterator[Batch]:
         yield batch
 
 
-def generate(dataset_cfg, seed: int) -> list[dict]:
+def generate(dataset_cfg: DatasetConfig, seed: int) -> list[dict]:
     return make_problems(dataset_cfg.n_problems, dataset_cfg.max_operand, seed)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from areal.config import RewardConfig
 from areal.reward.code import is_correct, parse_tests
 from areal.tasks import Task
 
@@ -34,7 +35,7 @@ def from_record(record: dict) -> dict:
     return {"prompt": TEMPLATE.format(problem=problem.strip()), "answer": tests}
 
 
-def grader_options(reward_cfg) -> dict:
+def grader_options(reward_cfg: RewardConfig) -> dict:
     """The sandbox's limits per test case."""
     return {"time_limit_s": reward_cfg.code_time_limit_s, "memory_mb": reward_cfg.code_memory_mb}
 

@@ -25,6 +25,7 @@ import random
 import re
 from collections.abc import Iterator
 
+from areal.config import DatasetConfig
 from areal.tasks import Batch, Task
 
 ALPHA = 1.1  # the Pareto tail index of the number of steps
@@ -105,13 +106,13 @@ def warmup_batch(rng: random.Random) -> Batch:
     return rows
 
 
-def warmup(dataset_cfg, seed: int) -> Iterator[Batch]:
+def warmup(dataset_cfg: DatasetConfig, seed: int) -> Iterator[Batch]:
     rng = random.Random(seed + 1)
     while True:
         yield warmup_batch(rng)
 
 
-def generate(dataset_cfg, seed: int) -> list[dict]:
+def generate(dataset_cfg: DatasetConfig, seed: int) -> list[dict]:
     return make_problems(dataset_cfg.n_problems, seed)
 
 

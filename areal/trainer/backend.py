@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from areal.config import ExperimentConfig
 from areal.trainer.batching import LossFn
 from areal.trainer.parallel import DataParallel
 
@@ -121,7 +122,7 @@ class TrainerBackend(Protocol):
 
 
 def make_backend(
-    cfg, model_dir: str | Path, dp: DataParallel
+    cfg: ExperimentConfig, model_dir: str | Path, dp: DataParallel
 ) -> tuple[TrainerBackend, DataParallel]:
     """The backend cfg.trainer.backend names, and `dp` narrowed to its data-parallel group
     (megatron: the world is tp * pp * dp ranks, gradients are summed over replicas only)."""

@@ -25,6 +25,7 @@ functions hand over to transformers' SDPA, so the model stays usable as any othe
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +116,9 @@ def packed_sdpa_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def packed_sdpa_mask(*, q_length: int, kv_length: int, attention_mask=None, **kwargs):
+def packed_sdpa_mask(
+    *, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs: Any
+) -> torch.Tensor | None:
     """The mask function under the same name: none at all for a padding-free forward without
     a cache (the attention function separates the sequences), else transformers' SDPA mask."""
     if attention_mask is None and q_length == kv_length:

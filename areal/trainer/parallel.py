@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ class DataParallel:
         world_size: int = 1,
         device: torch.device | None = None,
         *,
-        group=None,
+        group: dist.ProcessGroup | None = None,
         global_rank: int | None = None,
         global_size: int | None = None,
     ):
@@ -59,7 +60,7 @@ class DataParallel:
         # NCCL reduces CUDA tensors only; gloo CPU tensors.
         self.device = device or torch.device("cpu")
 
-    def replicas(self, rank: int, world_size: int, group) -> DataParallel:
+    def replicas(self, rank: int, world_size: int, group: dist.ProcessGroup | None) -> DataParallel:
         """The same world with reductions over the data-parallel group `group` only."""
         return DataParallel(
             rank,
@@ -107,7 +108,7 @@ class DataParallel:
         for p, part in zip(params, flat.split([g.numel() for g in grads]), strict=True):
             p.grad = part.view_as(p).clone()
 
-    def broadcast_object(self, obj=None):
+    def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's plain-data object (msgpack-able) on every rank of the trainer world."""
         if self.global_size == 1:
             return obj
@@ -152,7 +153,9 @@ class DataParallel:
             dist.destroy_process_group()
 
 
-def broadcast_plain(obj, src: int, group=None, device: torch.device | None = None):
+def broadcast_plain(
+    obj: Any, src: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+) -> Any:
     """Global rank `src`'s plain-data object (msgpack-able) on every rank of `group` (None:
     the world): its length first, then its bytes."""
     device = device or torch.device("cpu")

@@ -89,7 +89,9 @@ def _accumulate(stats: dict[str, float], mb_stats: dict[str, float]) -> None:
             stats[k] += v
 
 
-def _micro_batches(seqs, idx: list[int], max_tokens_per_mb: int, min_n_mbs: int):
+def _micro_batches(
+    seqs: Sequence[Sequence[int]], idx: list[int], max_tokens_per_mb: int, min_n_mbs: int
+):
     return [
         [idx[k] for k in mb]
         for mb in allocate_micro_batches([len(seqs[i]) for i in idx], max_tokens_per_mb, min_n_mbs)
@@ -103,7 +105,10 @@ def _pick(values: Sequence, mbs: list[list[int]]) -> list[list]:
 
 @torch.no_grad()
 def proximal_logprobs(
-    backend: TrainerBackend, seqs, max_tokens_per_mb: int, starts: list[int] | None = None
+    backend: TrainerBackend,
+    seqs: Sequence[Sequence[int]],
+    max_tokens_per_mb: int,
+    starts: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """Log-probs of every sequence under the current weights, one tensor per sequence
     (entries before starts[i] may be 0)."""
@@ -116,7 +121,9 @@ def proximal_logprobs(
     return result
 
 
-def _equal_micro_batches(seqs, share: list[int], spec: tuple[int, int], dp) -> list[list[int]]:
+def _equal_micro_batches(
+    seqs: Sequence[Sequence[int]], share: list[int], spec: tuple[int, int], dp: DataParallel
+) -> list[list[int]]:
     """Dynamic micro-batches of this rank's share, as many on every rank.
 
     Ranks with fewer micro-batches split theirs up to the largest count (min_n_mbs); a
@@ -219,7 +226,13 @@ def train_step(
         # Empty micro-batches (padding for data parallelism) run nothing.
         mbs = [mb for mb in _equal_micro_batches(seqs, share, spec, dp) if mb]
 
-        def loss_fn(k: int, logprobs: torch.Tensor, mbs=mbs, n_valid=n_valid, own=own_prox):
+        def loss_fn(
+            k: int,
+            logprobs: torch.Tensor,
+            mbs: list[list[int]] = mbs,
+            n_valid: int = n_valid,
+            own: list[torch.Tensor] = own_prox,
+        ):
             cat = {
                 key: torch.cat([tokens[i][key] for i in mbs[k]]).to(logprobs.device)
                 for key in ("mask", "behav", "adv", "prox", "version")

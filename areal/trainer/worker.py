@@ -36,6 +36,7 @@ from areal import checkpoint, events, rolelog
 from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_trainer_state
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
+from areal.config import ExperimentConfig
 from areal.launcher.plan import role_threads
 from areal.trainer.backend import TrainerBackend, make_backend
 from areal.trainer.parallel import DataParallel, init_data_parallel
@@ -79,7 +80,11 @@ def load_trainer_part(backend: TrainerBackend, directory: Path) -> None:
 
 
 def publish_weights(
-    cfg, backend: TrainerBackend, controller: SyncRpcClient | None, version: int, dp: DataParallel
+    cfg: ExperimentConfig,
+    backend: TrainerBackend,
+    controller: SyncRpcClient | None,
+    version: int,
+    dp: DataParallel,
 ) -> None:
     """weights/v{version}/ and weights_ready to the controller (global rank 0); with a
     collective backend the other ranks contribute their slices of the weights."""
@@ -92,7 +97,11 @@ def publish_weights(
 
 
 def save_checkpoint(
-    cfg, backend: TrainerBackend, controller: SyncRpcClient | None, version: int, dp: DataParallel
+    cfg: ExperimentConfig,
+    backend: TrainerBackend,
+    controller: SyncRpcClient | None,
+    version: int,
+    dp: DataParallel,
 ) -> None:
     """Trainer and controller state of `version`, committed together by global rank 0; with
     a collective backend the other ranks write their parts first."""
@@ -108,7 +117,7 @@ def save_checkpoint(
         write_trainer_part(backend, None)
 
 
-def save_rule(cfg, version: int, seconds_since_save: float) -> bool:
+def save_rule(cfg: ExperimentConfig, version: int, seconds_since_save: float) -> bool:
     """Checkpoint `version`? After the last step, every trainer.save_freq_steps, or when
     trainer.save_freq_s passed since the last save."""
     freq, freq_s = cfg.trainer.save_freq_steps, cfg.trainer.save_freq_s
@@ -117,14 +126,14 @@ def save_rule(cfg, version: int, seconds_since_save: float) -> bool:
     return bool(freq_s and seconds_since_save >= freq_s)
 
 
-def save_due(cfg, version: int, t_saved: float, dp: DataParallel) -> bool:
+def save_due(cfg: ExperimentConfig, version: int, t_saved: float, dp: DataParallel) -> bool:
     """save_rule on global rank 0 (its clock), the same answer on every rank: a collective
     save needs all of them, and their clocks differ."""
     due = save_rule(cfg, version, time.time() - t_saved) if dp.is_main else None
     return bool(dp.broadcast_object(due))
 
 
-def run_trainer(cfg, key: bytes, index: int = 0) -> None:
+def run_trainer(cfg: ExperimentConfig, key: bytes, index: int = 0) -> None:
     """One trainer rank; `index` is its rank in the trainer world (0 without parallelism)."""
     par = cfg.trainer.parallel
     dp = init_data_parallel(par.dp, index, par.timeout_s, model_parallel=par.tp * par.pp)
@@ -153,7 +162,7 @@ def batch_line(version: int, trajs: list[Trajectory], stale: list[int]) -> dict:
     }
 
 
-def _train(cfg, key: bytes, dp: DataParallel) -> None:
+def _train(cfg: ExperimentConfig, key: bytes, dp: DataParallel) -> None:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(role_threads(cfg.trainer.num_threads))
     # Every rank loads the same weights and optimizer state, so that identical summed
@@ -242,7 +251,7 @@ class _Metrics:
         self.batches.close()
 
 
-def _step_args(cfg, version: int) -> dict:
+def _step_args(cfg: ExperimentConfig, version: int) -> dict:
     """train_step's arguments for the step from `version` to version + 1."""
     return dict(
         eps_clip=cfg.ppo.eps_clip,

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal.workflow.api import EpisodeError, EpisodeRunner, RolloutEngine, Workflow
+
+if TYPE_CHECKING:
+    from areal.config import RolloutConfig
 
 __all__ = ["EpisodeError", "EpisodeRunner", "RolloutEngine", "Workflow", "load_workflow"]
 
@@ -39,7 +42,7 @@ def resolve(spec: str) -> Any:
     return obj
 
 
-def load_workflow(spec: str, rollout_cfg=None) -> Workflow:
+def load_workflow(spec: str, rollout_cfg: RolloutConfig | None = None) -> Workflow:
     """The workflow rollout.workflow names (agents need rollout_cfg: turns, discount, mode)."""
     obj = resolve(spec)
     if inspect.isclass(obj) and issubclass(obj, Workflow):

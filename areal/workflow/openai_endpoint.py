@@ -29,12 +29,17 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from areal.rollout.http_error import BadRequest  # the embedded server's too; OpenAI's body
 from areal.workflow.samples import Call
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from areal.workflow.api import RolloutEngine
 
 log = logging.getLogger("areal.workflow")
 
@@ -100,7 +105,9 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
     return text[:cut]
 
 
-def chat_completion(call_id: str, model: str, text: str, finish: str, n_in: int, n_out: int):
+def chat_completion(
+    call_id: str, model: str, text: str, finish: str, n_in: int, n_out: int
+) -> dict:
     return {
         "id": call_id,
         "object": "chat.completion",
@@ -118,7 +125,9 @@ def chat_completion(call_id: str, model: str, text: str, finish: str, n_in: int,
     }
 
 
-def text_completion(call_id: str, model: str, text: str, finish: str, n_in: int, n_out: int):
+def text_completion(
+    call_id: str, model: str, text: str, finish: str, n_in: int, n_out: int
+) -> dict:
     return {
         "id": call_id,
         "object": "text_completion",
@@ -158,7 +167,14 @@ class Session:
 
 
 class OpenAIEndpoint:
-    def __init__(self, tokenizer, *, model: str, default_max_tokens: int, sampling: dict):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model: str,
+        default_max_tokens: int,
+        sampling: dict,
+    ):
         self.tokenizer = tokenizer
         self.model = model
         self.default_max_tokens = default_max_tokens
@@ -188,7 +204,7 @@ class OpenAIEndpoint:
             await self._runner.cleanup()
             self._runner = None
 
-    def open_session(self, engine, max_turns: int) -> Session:
+    def open_session(self, engine: RolloutEngine, max_turns: int) -> Session:
         session = Session(token=secrets.token_hex(16), engine=engine, max_turns=max_turns)
         self.sessions[session.token] = session
         return session

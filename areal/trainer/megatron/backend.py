@@ -51,7 +51,7 @@ def init_model_parallel(tp: int, pp: int) -> None:
         ps.initialize_model_parallel(tp, pp)
 
 
-def data_parallel_group(world):
+def data_parallel_group(world: DataParallel) -> DataParallel:
     """`world` (parallel.DataParallel) with its reductions over Megatron's data-parallel
     group: the batch is still broadcast to every rank, gradients summed over replicas only."""
     from megatron.core import parallel_state as ps
@@ -114,7 +114,7 @@ class MegatronBackend:
 
     # ---- forward ------------------------------------------------------------------------
 
-    def _packed_forward(self, seqs: Sequence[Sequence[int]], model=None):
+    def _packed_forward(self, seqs: Sequence[Sequence[int]], model: torch.nn.Module | None = None):
         """(model output [1, T, ...], token ids [T], extra kwargs) of the packed stream: the
         vocab-parallel logits on the last PP stage, hidden states on the others."""
         input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
@@ -183,7 +183,12 @@ class MegatronBackend:
             return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts)
         return self._pipelined(micro_batches, loss_fn, starts)
 
-    def _pipelined(self, micro_batches, loss_fn: LossFn | None, starts) -> list:
+    def _pipelined(
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        loss_fn: LossFn | None,
+        starts: Sequence[Sequence[int]] | None,
+    ) -> list:
         """The pipeline schedule's results (streams without loss_fn, else stats), computed
         on the last stage and broadcast to every stage of this pipeline."""
         if not micro_batches:  # the same on every stage of this pipeline: all skip
@@ -206,7 +211,13 @@ class MegatronBackend:
         logits, input_ids = self._forward(seqs)
         return self._token_logprobs(logits[None], input_ids, seqs, starts)
 
-    def _token_logprobs(self, output, input_ids, seqs, starts=None) -> torch.Tensor:
+    def _token_logprobs(
+        self,
+        output: torch.Tensor,
+        input_ids: torch.Tensor,
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Next-token log-probs from vocab-parallel logits [1, T, V/tp], reduced over TP.
 
         The output layer has computed every position's logits (GPTModel keeps none back),

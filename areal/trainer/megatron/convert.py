@@ -113,7 +113,9 @@ def hf_shapes(shape: Qwen2Shape) -> dict[str, tuple[int, ...]]:
 # ---- one tensor: HF -> this rank's slice ------------------------------------------------
 
 
-def to_megatron(name: str, hf: list[torch.Tensor], shape: Qwen2Shape, tp: int, rank: int):
+def to_megatron(
+    name: str, hf: list[torch.Tensor], shape: Qwen2Shape, tp: int, rank: int
+) -> torch.Tensor:
     """This TP rank's slice of Megatron parameter `name` from its HF source tensors."""
     kind = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
     if kind in _REPLICATED or kind.endswith("final_layernorm.weight"):

@@ -11,13 +11,26 @@ runs on the CPU path; tests/system/test_megatron_gpu.py covers it where a GPU ex
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from areal.trainer.batching import LossFn
 
+if TYPE_CHECKING:
+    from areal.trainer.megatron.backend import MegatronBackend
 
-def wrap_for_gpu(gpt, dtype: str, grad_clip: float, *, lr, weight_decay, betas, eps):
+
+def wrap_for_gpu(
+    gpt: torch.nn.Module,
+    dtype: str,
+    grad_clip: float,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: Sequence[float],
+    eps: float,
+) -> tuple[torch.nn.Module, Any]:
     """(DDP-wrapped model, Megatron optimizer) for a GPTModel already on the GPU."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -53,7 +66,7 @@ def wrap_for_gpu(gpt, dtype: str, grad_clip: float, *, lr, weight_decay, betas, 
 
 
 def forward_backward_pipelined(
-    backend,
+    backend: MegatronBackend,
     micro_batches: Sequence[Sequence[Sequence[int]]],
     loss_fn: LossFn | None = None,
     starts: Sequence[Sequence[int]] | None = None,
@@ -70,11 +83,11 @@ def forward_backward_pipelined(
     batches = iter(enumerate(micro_batches))
     results: list = []
 
-    def forward_step(data_iterator, model):
+    def forward_step(data_iterator: Any, model: torch.nn.Module):
         k, seqs = next(data_iterator)
         output, input_ids, _ = backend._packed_forward(seqs, model)
 
-        def loss_func(logits):
+        def loss_func(logits: torch.Tensor):
             lp = backend._token_logprobs(
                 logits, input_ids, seqs, None if starts is None else starts[k]
             )
@@ -103,12 +116,12 @@ def forward_backward_pipelined(
     return results
 
 
-def _optimizers(optimizer) -> list:
+def _optimizers(optimizer: Any) -> list:
     """The distributed optimizers inside Megatron's (possibly chained) optimizer."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def optimizer_state(optimizer) -> dict | None:
+def optimizer_state(optimizer: Any) -> dict | None:
     """Megatron's optimizer state for a checkpoint, gathered on data-parallel rank 0.
 
     Collective over the DP group: the distributed optimizer shards Adam's moments and the
@@ -121,7 +134,7 @@ def optimizer_state(optimizer) -> dict | None:
     return {"optimizer": optimizer.state_dict(), "params": params}
 
 
-def load_optimizer_state(optimizer, state: dict) -> None:
+def load_optimizer_state(optimizer: Any, state: dict) -> None:
     """The inverse of optimizer_state: DP rank 0's file is scattered over the DP group."""
     from megatron.core import parallel_state as ps
 

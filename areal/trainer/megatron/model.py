@@ -11,12 +11,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from areal.trainer.backend import DTYPES
 from areal.trainer.megatron import cuda_redirect
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,9 @@ def has_transformer_engine() -> bool:
     return torch.cuda.is_available()
 
 
-def transformer_config(shape: Qwen2Shape, tp: int, pp: int, dtype: str, on_gpu: bool):
+def transformer_config(
+    shape: Qwen2Shape, tp: int, pp: int, dtype: str, on_gpu: bool
+) -> TransformerConfig:
     """Megatron's TransformerConfig for the Qwen2 shape. On CPU every fusion is off and
     weights are initialised on the CPU (the fused kernels are CUDA-only)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -136,7 +143,7 @@ def transformer_config(shape: Qwen2Shape, tp: int, pp: int, dtype: str, on_gpu: 
     )
 
 
-def build_gpt_model(shape: Qwen2Shape, tp: int, pp: int, dtype: str = "float32"):
+def build_gpt_model(shape: Qwen2Shape, tp: int, pp: int, dtype: str = "float32") -> GPTModel:
     """This rank's GPTModel: its TP slice of its PP stage's layers.
 
     Needs megatron's model-parallel groups (parallel_state.initialize_model_parallel).

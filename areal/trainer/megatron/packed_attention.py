@@ -10,6 +10,8 @@ Without PackedSeqParams it is DotProductAttention unchanged.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -23,9 +25,9 @@ class PackedDotProductAttention(DotProductAttention):
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """q [T, 1, heads, d], k/v [T, 1, kv heads, d] (this TP rank's) -> [T, 1, heads * d]."""
         if packed_seq_params is None:

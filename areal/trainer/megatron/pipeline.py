@@ -24,6 +24,7 @@ the metrics; every stage needs the proximal log-probs).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,9 +32,12 @@ import torch.distributed as dist
 from areal.trainer.batching import LossFn
 from areal.trainer.parallel import broadcast_plain
 
+if TYPE_CHECKING:
+    from areal.trainer.megatron.backend import MegatronBackend
+
 
 def gpipe(
-    backend,
+    backend: MegatronBackend,
     micro_batches: Sequence[Sequence[Sequence[int]]],
     loss_fn: LossFn | None,
     starts: Sequence[Sequence[int]] | None = None,

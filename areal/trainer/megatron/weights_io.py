@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,12 +33,12 @@ from areal.weights import copy_companion_files
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _params(model) -> dict[str, torch.nn.Parameter]:
+def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {canonical(n): p for n, p in model.named_parameters()}
 
 
 @torch.no_grad()
-def load_hf(model, model_dir: str | Path, shape: Qwen2Shape, layout) -> None:
+def load_hf(model: torch.nn.Module, model_dir: str | Path, shape: Qwen2Shape, layout: Any) -> None:
     """Copy this rank's slices of the HF checkpoint into `model` (a bare GPTModel)."""
     tp, tp_rank, pp, stage = layout
     reader = HFReader(model_dir, shape)
@@ -52,7 +53,14 @@ def load_hf(model, model_dir: str | Path, shape: Qwen2Shape, layout) -> None:
 
 
 @torch.no_grad()
-def save_hf(model, out_dir, shape: Qwen2Shape, layout, source_dir, dtype: torch.dtype) -> None:
+def save_hf(
+    model: torch.nn.Module,
+    out_dir: str | Path | None,
+    shape: Qwen2Shape,
+    layout: Any,
+    source_dir: str | Path,
+    dtype: torch.dtype,
+) -> None:
     """Write the model as an HF directory at out_dir (global rank 0 writes; see module doc)."""
     from megatron.core import parallel_state as ps
 
@@ -96,11 +104,11 @@ def save_hf(model, out_dir, shape: Qwen2Shape, layout, source_dir, dtype: torch.
         _write_config(Path(out_dir), Path(source_dir), dtype)
 
 
-def params_dtype(model) -> torch.dtype:
+def params_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _dev(model) -> torch.device:
+def _dev(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
