@@ -23,33 +23,19 @@ output, which the worker resumes.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import subprocess
-import time
 from typing import Any
 
-import aiohttp
-
 from areal.rollout import sglang_api as api
-from areal.rollout.auth import auth_header
-from areal.rollout.inference import GenerateOutput, ServerDied
+from areal.rollout.http_client import HttpClient
+from areal.rollout.inference import GenerateOutput
 
 
-class SGLangClient:
+class SGLangClient(HttpClient):
     """Async calls to one SGLang-API server; one aiohttp session per client and event loop.
 
     An InferenceClient (areal/rollout/inference.py), plus SGLang's other calls for tests,
     eval and benchmarks (generate, pause/continue_generation, flush_cache, model_info,
     server_info)."""
-
-    def __init__(self, base_url: str, timeout: float = 3600, api_key: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
-        self.api_key = api_key
-        """Sent as `Authorization: Bearer` with every call (None: the server is open)."""
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
@@ -89,15 +75,6 @@ class SGLangClient:
     async def flush_cache(self) -> str:
         return await self._call("POST", "/flush_cache", None)
 
-    async def health(self) -> bool:
-        try:
-            session = await self._get_session()
-            timeout = aiohttp.ClientTimeout(total=5)
-            async with session.get(self.base_url + "/health", timeout=timeout) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
-
     async def model_info(self) -> dict:
         try:
             return await self._call("GET", "/model_info", None)
@@ -110,71 +87,3 @@ class SGLangClient:
         """Load and counters: SGLang's /get_server_info (the embedded server's has the same
         name and its own counters, e.g. num_running_reqs and total_generated_tokens)."""
         return await self._call("GET", "/get_server_info", None)
-
-    async def wait_healthy(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
-        """Poll /health until 200; raise at once if proc (the server's process) exits."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(
-                    f"the inference server process exited with code {proc.returncode} "
-                    f"before {self.base_url} became healthy; see its log"
-                )
-            if await self.health():
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.base_url} was not healthy after {timeout:.0f} s")
-            await asyncio.sleep(0.2)
-
-    async def close(self) -> None:
-        if self._session is not None and self._loop is asyncio.get_running_loop():
-            await self._session.close()
-        self._session = None
-        self._loop = None
-
-    async def _get_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            # A session belongs to the loop that made it; a new loop needs its own.
-            # No connection limit: the staleness gate bounds how many requests are in flight.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                headers=auth_header(self.api_key),
-            )
-            self._loop = loop
-        return self._session
-
-    async def _call(
-        self, method: str, path: str, body: Any, ok_statuses: tuple[int, ...] = (200,)
-    ) -> Any:
-        """JSON (or text) of the answer; RuntimeError with the server's message otherwise,
-        ServerDied when the connection is refused, reset or closed before the answer."""
-        session = await self._get_session()
-        try:
-            async with session.request(method, self.base_url + path, json=body) as resp:
-                raw = await resp.read()
-                return self._content(method, path, resp, raw, ok_statuses)
-        except aiohttp.ServerTimeoutError:
-            raise  # slow, not dead: an asyncio.TimeoutError for the caller
-        except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            raise ServerDied(self.base_url, f"{method} {path}", e) from e
-
-    def _content(
-        self,
-        method: str,
-        path: str,
-        resp: aiohttp.ClientResponse,
-        raw: bytes,
-        ok_statuses: tuple[int, ...],
-    ) -> Any:
-        try:
-            content: Any = json.loads(raw) if raw.strip() else None
-        except ValueError:
-            content = raw.decode(errors="replace")
-        if resp.status not in ok_statuses:
-            raise RuntimeError(
-                f"{method} {self.base_url}{path} returned HTTP {resp.status}: "
-                f"{api.error_message(content)}"
-            )
-        return content

@@ -42,16 +42,11 @@ Where vLLM differs from SGLang, and what this module does about it:
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import time
 from typing import Any
 
-import aiohttp
-
-from areal.rollout.auth import auth_header
-from areal.rollout.inference import FINISH_REASONS, GenerateOutput, ServerDied
-from areal.rollout.sglang_api import error_message, parse_weight_version
+from areal.rollout.http_client import HttpClient
+from areal.rollout.inference import FINISH_REASONS, GenerateOutput
+from areal.rollout.sglang_api import parse_weight_version
 
 GENERATE_PATH = "/inference/v1/generate"
 REQUEST_ID_PREFIX = "generate-tokens-"
@@ -204,18 +199,13 @@ def parse_metrics(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return totals
 
 
-class VLLMClient:
+class VLLMClient(HttpClient):
     """Async calls to one vLLM server; one aiohttp session per client and event loop."""
 
     def __init__(self, base_url: str, timeout: float = 3600, api_key: str | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
-        self.api_key = api_key
-        """Sent as `Authorization: Bearer` with every call (None: the server is open)."""
+        super().__init__(base_url, timeout, api_key)
         self.weight_version = 0
         """The last version this client loaded or set (tags outputs without tokens)."""
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
@@ -300,15 +290,6 @@ class VLLMClient:
     async def flush_cache(self) -> dict:
         return await self._call("POST", "/reset_prefix_cache", None)
 
-    async def health(self) -> bool:
-        try:
-            session = await self._get_session()
-            timeout = aiohttp.ClientTimeout(total=5)
-            async with session.get(self.base_url + "/health", timeout=timeout) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
-
     async def model_info(self) -> dict:
         """SGLang's /model_info fields that vLLM has: model_path and weight_version."""
         models = await self._call("GET", "/v1/models", None)
@@ -338,59 +319,3 @@ class VLLMClient:
             "weight_version": (weights or {}).get("weight_version"),
             "version": (version or {}).get("version"),
         }
-
-    async def wait_healthy(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
-        """Poll /health until 200; raise at once if proc (the server's process) exits."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(
-                    f"the inference server process exited with code {proc.returncode} "
-                    f"before {self.base_url} became healthy; see its log"
-                )
-            if await self.health():
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.base_url} was not healthy after {timeout:.0f} s")
-            await asyncio.sleep(0.5)
-
-    async def close(self) -> None:
-        if self._session is not None and self._loop is asyncio.get_running_loop():
-            await self._session.close()
-        self._session = None
-        self._loop = None
-
-    async def _get_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            # A session belongs to the loop that made it; a new loop needs its own.
-            # No connection limit: the staleness gate bounds how many requests are in flight.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                headers=auth_header(self.api_key),
-            )
-            self._loop = loop
-        return self._session
-
-    async def _call(self, method: str, path: str, body: Any) -> Any:
-        """JSON (or text) of the answer; RuntimeError with the server's message otherwise,
-        ServerDied when the connection is refused, reset or closed before the answer."""
-        session = await self._get_session()
-        try:
-            async with session.request(method, self.base_url + path, json=body) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except aiohttp.ServerTimeoutError:
-            raise  # slow, not dead: an asyncio.TimeoutError for the caller
-        except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            raise ServerDied(self.base_url, f"{method} {path}", e) from e
-        try:
-            content: Any = json.loads(raw) if raw.strip() else None
-        except ValueError:
-            content = raw.decode(errors="replace")
-        if status != 200:
-            raise RuntimeError(
-                f"{method} {self.base_url}{path} returned HTTP {status}: {error_message(content)}"
-            )
-        return content

@@ -15,7 +15,8 @@ import pytest
 
 from areal.comm.net import free_port
 from areal.models.tiny import make_tiny_model
-from areal.rollout.client import ServerDied, SGLangClient
+from areal.rollout.client import SGLangClient
+from areal.rollout.inference import ServerDied
 from areal.rollout.launch import (
     ServerStartError,
     start_embedded_server,

@@ -1,0 +1,103 @@
+"""The HTTP I/O every inference client shares: one aiohttp session, health, errors.
+
+    SGLangClient ─┐                       ┌─ JSON (or text) of a 200 answer
+                  ├─ HttpClient._call ────┼─ RuntimeError: HTTP status + the server's message
+    VLLMClient  ──┘   (Bearer key)        └─ ServerDied: refused, reset or closed mid-call
+
+A session belongs to the event loop that made it: a client used from a new loop makes a new
+one. There is no connection limit: the staleness gate bounds how many requests are in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from typing import Any
+
+import aiohttp
+
+from areal.rollout.auth import auth_header
+from areal.rollout.inference import ServerDied
+from areal.rollout.sglang_api import error_message
+
+_HEALTH_POLL_S = 0.2
+
+
+class HttpClient:
+    """Async calls to one server; subclasses add the routes of their engine's API."""
+
+    def __init__(self, base_url: str, timeout: float = 3600, api_key: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.api_key = api_key
+        """Sent as `Authorization: Bearer` with every call (None: the server is open)."""
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def health(self) -> bool:
+        """GET /health answers 200 (False, never an error, when the server is down)."""
+        try:
+            session = await self._get_session()
+            timeout = aiohttp.ClientTimeout(total=5)
+            async with session.get(self.base_url + "/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    async def wait_healthy(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
+        """Poll /health until 200; raise at once if proc (the server's process) exits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(
+                    f"the inference server process exited with code {proc.returncode} "
+                    f"before {self.base_url} became healthy; see its log"
+                )
+            if await self.health():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.base_url} was not healthy after {timeout:.0f} s")
+            await asyncio.sleep(_HEALTH_POLL_S)
+
+    async def close(self) -> None:
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
+        self._loop = None
+
+    async def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers=auth_header(self.api_key),
+            )
+            self._loop = loop
+        return self._session
+
+    async def _call(
+        self, method: str, path: str, body: Any, ok_statuses: tuple[int, ...] = (200,)
+    ) -> Any:
+        """JSON (or text) of the answer; RuntimeError with the server's message otherwise,
+        ServerDied when the connection is refused, reset or closed before the answer."""
+        session = await self._get_session()
+        try:
+            async with session.request(method, self.base_url + path, json=body) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except aiohttp.ServerTimeoutError:
+            raise  # slow, not dead: an asyncio.TimeoutError for the caller
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+            raise ServerDied(self.base_url, f"{method} {path}", e) from e
+        try:
+            content: Any = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            content = raw.decode(errors="replace")
+        if status not in ok_statuses:
+            raise RuntimeError(
+                f"{method} {self.base_url}{path} returned HTTP {status}: {error_message(content)}"
+            )
+        return content
