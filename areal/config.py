@@ -156,11 +156,16 @@ class RolloutConfig(_Section):
     """Agents' per-call rewards: return R_i = r_i + turn_discount * R_(i+1), in [0, 1]."""
     episode_timeout_s: float = 3600.0
     """Seconds one admitted group of episodes may take before it is rejected (its prompt comes back)."""  # noqa: E501
+    max_consecutive_failures: int = 64
+    """Rejected episodes in a row that stop the run, with the first error on the console (0 = never)."""  # noqa: E501
+    failure_window_s: float = 300.0
+    """Seconds of rejected episodes without an accepted one that stop the run likewise (0 = never)."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
         self._positive("n_servers", "group_size", "max_new_tokens", "max_concurrent")
         self._positive("max_turns", "episode_timeout_s")
+        self._non_negative("max_consecutive_failures", "failure_window_s")
         self._one_of("sample_mode", ("individual", "concat"))
         if not 0 <= self.turn_discount <= 1:
             self._fail("turn_discount", f"must be in [0, 1], got {self.turn_discount!r}")

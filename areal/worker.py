@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 
 from areal import events, rolelog
 from areal.comm.registry import Registry, load_key
@@ -90,12 +91,17 @@ def _controller(cfg: ExperimentConfig, key: bytes) -> None:
 
     from areal.checkpoint import latest
     from areal.controller.controller import run_controller
+    from areal.controller.failures import NO_PROGRESS_EXIT, NoProgress
     from areal.data.dataset import load_rows, tokenize_rows
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
-    asyncio.run(run_controller(cfg, tokenizer, rows, key, resume_from))
+    try:
+        asyncio.run(run_controller(cfg, tokenizer, rows, key, resume_from))
+    except NoProgress as e:
+        print(e, file=sys.stderr, flush=True)  # the end of its log, which the launcher shows
+        sys.exit(NO_PROGRESS_EXIT)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,7 @@ from areal.comm.wire import pack, unpack
 from areal.config import ExperimentConfig
 from areal.controller.buffer import ReplayBuffer
 from areal.controller.draws import Draws
+from areal.controller.failures import FailureWatch, NoProgress
 from areal.controller.pool import WorkerPool
 from areal.controller.staleness import StalenessGate
 from areal.process import RESTARTS_ENV
@@ -70,6 +71,12 @@ class Controller:
         self.workflow = workflow or load_workflow(cfg.rollout.workflow, cfg.rollout)
         assert isinstance(self.workflow, Workflow), "workflows subclass areal.workflow.Workflow"
         self.episodes = EpisodeRunner(self.workflow, cfg.rollout.episode_timeout_s)
+        self.failures = FailureWatch(
+            cfg.rollout.max_consecutive_failures, cfg.rollout.failure_window_s
+        )
+        self.no_progress: str | None = None
+        """The report once episodes only fail (run_controller then raises NoProgress)."""
+        self.stalled = asyncio.Event()
         self.rows = rows
         self.tokenizer = tokenizer
         self.reward = reward
@@ -141,6 +148,10 @@ class Controller:
             if not isinstance(e, EpisodeError):  # EpisodeRunner logged the others already
                 log.warning("group %d failed (%s); its prompt will be generated again", group_id, e)
             trajs, failed = None, True
+            report = self.failures.rejected(e)
+            if report and self.no_progress is None:
+                self.no_progress = report
+                self.stalled.set()
         async with self.changed:
             # In one step with the buffer, so a checkpoint sees the row in exactly one place.
             if trajs is None:  # failed, or declined by the workflow (a filter)
@@ -157,6 +168,7 @@ class Controller:
                 self.draws.used(row)
                 self._tokens_generated += sum(t.n_generated for t in trajs)
                 self.gate.on_rollout_accepted()
+                self.failures.accepted()
                 self.buffer.put(group_id, trajs)
             self.changed.notify_all()
         return trajs
@@ -276,8 +288,13 @@ async def run_controller(
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     stopped = asyncio.create_task(stop.wait())
+    stalled = asyncio.create_task(controller.stalled.wait())
     try:
-        done, _ = await asyncio.wait({serve, admit, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(
+            {serve, admit, stopped, stalled}, return_when=asyncio.FIRST_COMPLETED
+        )
+        if stalled in done:
+            raise NoProgress(controller.no_progress)
         if stopped not in done:  # a loop that ends by itself is a failure: surface it
             for t in done:
                 t.result()
@@ -285,8 +302,9 @@ async def run_controller(
     finally:
         admit.cancel()
         stopped.cancel()
+        stalled.cancel()
         server.close()
-        await asyncio.gather(serve, admit, stopped, return_exceptions=True)
+        await asyncio.gather(serve, admit, stopped, stalled, return_exceptions=True)
         controller.pool.close()
         for c in [*workers, reward]:
             c.close()

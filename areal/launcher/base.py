@@ -30,6 +30,7 @@ from types import FrameType
 from typing import NoReturn
 
 from areal.config import ExperimentConfig
+from areal.controller.failures import NO_PROGRESS_EXIT, REPORT_MARK
 from areal.launcher.plan import Plan, Step
 from areal.launcher.progress import Progress
 from areal.loggers import MetricSink, make_loggers
@@ -59,6 +60,13 @@ def exit_reason(rc: int) -> str:
     if rc < 0:
         return f"was killed by {signal.Signals(-rc).name}"
     return f"exited with code {rc}"
+
+
+def no_progress_report(log: Path) -> str:
+    """The controller's report of a run that cannot make progress: its log from the mark."""
+    text = log.read_text(errors="replace")
+    start = text.rfind(REPORT_MARK)
+    return text[start:].rstrip() if start >= 0 else tail(log, 60)
 
 
 def worker_command(exp_dir: Path, step: Step) -> list[str]:
@@ -176,6 +184,11 @@ class Launcher(abc.ABC):
                 dead = self._dead_role()
                 if dead is not None:
                     p, rc = dead
+                    if rc == NO_PROGRESS_EXIT and p.step.role == "controller":
+                        # Episodes only fail: a restart from the checkpoint would fail the same way.
+                        progress.close()
+                        print("\n" + no_progress_report(p.log), file=sys.stderr, flush=True)
+                        return 1
                     if (why := self.start_failure(p)) is not None:
                         progress.close()
                         print(f"\nareal: {why}; stopping the run", file=sys.stderr, flush=True)
