@@ -156,6 +156,8 @@ class RolloutConfig(_Section):
     """Agents' per-call rewards: return R_i = r_i + turn_discount * R_(i+1), in [0, 1]."""
     episode_timeout_s: float = 3600.0
     """Seconds one admitted group of episodes may take before it is rejected (its prompt comes back)."""  # noqa: E501
+    tool_parser: str = "qwen"
+    """Agents' tool calls: how the model's text becomes OpenAI tool_calls, "qwen" (Qwen2/2.5/3, Hermes: <tool_call> JSON) or your own "package.module:function" (areal/workflow/tool_parsers.py)."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -169,6 +171,12 @@ class RolloutConfig(_Section):
                 "workflow",
                 f'must be "package.module:object", got {self.workflow!r} (e.g. '
                 '"areal.workflow.single_turn:SingleTurnWorkflow")',
+            )
+        if not re.fullmatch(r"\w+|[\w.]+:[\w.]+", self.tool_parser):
+            self._fail(
+                "tool_parser",
+                f'must be a parser\'s name (qwen, hermes) or "package.module:function", '
+                f"got {self.tool_parser!r}",
             )
         if not self.temperature > 0:
             # Greedy decoding gives no exploration and degenerate behaviour log-probs.
