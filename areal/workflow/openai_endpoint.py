@@ -195,6 +195,17 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+def parse_tool_calls(text: str, tools: ToolRequest, parser: ToolParser) -> ParsedCalls | None:
+    """The answer's tool calls under the request's tool_choice and parallel_tool_calls, or
+    None: the text is the answer."""
+    if not tools.names:
+        return None
+    calls = parser(text, tools.names)
+    if calls is not None and not tools.parallel:  # OpenAI's contract: at most one call
+        calls = ParsedCalls(content=calls.content, tool_calls=calls.tool_calls[:1])
+    return calls
+
+
 def _message_tool_call(call: Any, where: str) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -388,18 +399,10 @@ class OpenAIEndpoint:
             shaped = text_completion(call.id, self.model, text, finish, n_in, n_out)
             return web.json_response(shaped)
         # Only the response is shaped by the parse; the recorded call keeps the engine's tokens.
-        calls = self._tool_calls(text, tools)
+        calls = parse_tool_calls(text, tools, self.tool_parser)
         return web.json_response(
             chat_completion(call.id, self.model, text, finish, n_in, n_out, calls)
         )
-
-    def _tool_calls(self, text: str, tools: ToolRequest) -> ParsedCalls | None:
-        if not tools.names:
-            return None
-        calls = self.tool_parser(text, tools.names)
-        if calls is not None and not tools.parallel:
-            calls = ParsedCalls(content=calls.content, tool_calls=calls.tool_calls[:1])
-        return calls
 
     def _session(self, request: web.Request) -> Session:
         auth = request.headers.get("Authorization", "")
