@@ -157,7 +157,7 @@ class RolloutConfig(_Section):
     episode_timeout_s: float = 3600.0
     """Seconds one admitted group of episodes may take before it is rejected (its prompt comes back)."""  # noqa: E501
     tool_parser: str = "qwen"
-    """Agents' tool calls: how the model's text becomes OpenAI tool_calls, "qwen" (Qwen2/2.5/3, Hermes: <tool_call> JSON) or your own "package.module:function" (areal/workflow/tool_parsers.py)."""  # noqa: E501
+    """Agents' tool calls: how the model's text becomes OpenAI tool_calls, "qwen" (the tool_call tags of Qwen2/2.5/3 and Hermes) or your own "package.module:function" (areal/workflow/tool_parsers.py)."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
