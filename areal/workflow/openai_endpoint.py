@@ -2,14 +2,15 @@
 
     agent --POST /v1/chat/completions (Bearer <session token>)--> OpenAIEndpoint
             messages --chat template--> input ids --session.engine.generate--> rollout worker
-          <-- ChatCompletion (text) --     records Call(input ids, output ids, log-probs,
-                                                        versions per token)
+          <-- ChatCompletion --     records Call(input ids, output ids, log-probs,
+              text, or tool_calls                       versions per token)
+              (tool_parsers.py)
 
 One session per agent episode; its token, sent as the API key, picks the session, so any
 OpenAI client works unchanged (`AsyncOpenAI(base_url=endpoint.base_url, api_key=token)`).
 Generation goes through the engine, i.e. the rollout workers' interruptible path: a call cut
 by a weight update is resumed, its tokens keeping the versions that produced them. The
-agent sees only text; training uses the recorded ids (samples.py).
+agent sees text and parsed tool calls; training uses the recorded ids (samples.py).
 
 Tools: a chat request may carry OpenAI function `tools`, `tool_choice` and
 `parallel_tool_calls`, and its conversation assistant `tool_calls` and `tool` results. The
