@@ -160,6 +160,8 @@ class RolloutConfig(_Section):
     """Rejected episodes in a row that stop the run, with the first error on the console (0 = never)."""  # noqa: E501
     failure_window_s: float = 300.0
     """Seconds of rejected episodes without an accepted one that stop the run likewise (0 = never)."""  # noqa: E501
+    tool_parser: str = "qwen"
+    """Agents' tool calls: how the model's text becomes OpenAI tool_calls, "qwen" (the tool_call tags of Qwen2/2.5/3 and Hermes) or your own "package.module:function" (areal/workflow/tool_parsers.py)."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -174,6 +176,12 @@ class RolloutConfig(_Section):
                 "workflow",
                 f'must be "package.module:object", got {self.workflow!r} (e.g. '
                 '"areal.workflow.single_turn:SingleTurnWorkflow")',
+            )
+        if not re.fullmatch(r"\w+|[\w.]+:[\w.]+", self.tool_parser):
+            self._fail(
+                "tool_parser",
+                f'must be a parser\'s name (qwen, hermes) or "package.module:function", '
+                f"got {self.tool_parser!r}",
             )
         if not self.temperature > 0:
             # Greedy decoding gives no exploration and degenerate behaviour log-probs.

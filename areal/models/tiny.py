@@ -31,9 +31,40 @@ from areal.tasks import load_task
 from areal.tasks.arith import make_problems
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_TOOLS_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_FORMAT = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\n</tool_call>'
+)
+# ChatML; with tools, Qwen2.5's way: the schemas in a system block, the model's calls as
+# <tool_call> JSON, results as <tool_response> in a user turn. Literal text after a block tag
+# is written as an expression ({{ '\n' }}): transformers renders with trim_blocks, which
+# drops a newline that follows a tag. A conversation without tools renders as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '" + _TOOLS_SYSTEM + "' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    '{{ "' + _TOOLS_FORMAT + '<|im_end|>\n" }}{% endif %}'
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"  # in the tools block
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user"
+    "{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}<|im_start|>assistant"
+    "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{ fn['arguments'] | tojson }}{{ '}\n</tool_call>' }}{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _CORPUS_WORDS = (

@@ -32,6 +32,7 @@ from areal.workflow.samples import (
     discounted_returns,
     individual_samples,
 )
+from areal.workflow.tool_parsers import load_tool_parser
 
 log = logging.getLogger("areal.workflow")
 
@@ -74,6 +75,7 @@ class AgentWorkflow(Workflow):
                 model=model,
                 default_max_tokens=self.cfg.max_new_tokens,
                 sampling=engine.sampling_params,
+                tool_parser=load_tool_parser(self.cfg.tool_parser),
             )
             await endpoint.start()
             for name in ("httpx", "httpx2"):  # one INFO line per call otherwise

@@ -2,14 +2,25 @@
 
     agent --POST /v1/chat/completions (Bearer <session token>)--> OpenAIEndpoint
             messages --chat template--> input ids --session.engine.generate--> rollout worker
-          <-- ChatCompletion (text) --     records Call(input ids, output ids, log-probs,
-                                                        versions per token)
+          <-- ChatCompletion --     records Call(input ids, output ids, log-probs,
+              text, or tool_calls                       versions per token)
+              (tool_parsers.py)
 
 One session per agent episode; its token, sent as the API key, picks the session, so any
 OpenAI client works unchanged (`AsyncOpenAI(base_url=endpoint.base_url, api_key=token)`).
 Generation goes through the engine, i.e. the rollout workers' interruptible path: a call cut
 by a weight update is resumed, its tokens keeping the versions that produced them. The
-agent sees only text; training uses the recorded ids (samples.py).
+agent sees text and parsed tool calls; training uses the recorded ids (samples.py).
+
+Tools: a chat request may carry OpenAI function `tools`, `tool_choice` and
+`parallel_tool_calls`, and its conversation assistant `tool_calls` and `tool` results. The
+model's own chat template renders them (`apply_chat_template(tools=...)`; a template that
+ignores tools is refused, not silently dropped), and rollout.tool_parser turns the model's
+text into `tool_calls` (tool_parsers.py). `tool_choice`: "none" returns text unparsed;
+"required" and a named function are not forced by constrained decoding (a grammar would
+change the sampling distribution the trainer's log-probs assume): the model sees the tools
+as under "auto", only the named function counts as a call, and anything else returns as
+text for the agent to handle. `parallel_tool_calls: false` keeps the first call only.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models. Sampling is the
 run's (the trainer's log-probs assume rollout.temperature, top_p, top_k): a request may
@@ -24,7 +35,9 @@ A call that ends after its episode did (rejected, timed out) is answered 410 and
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import secrets
 import socket
 import time
@@ -35,6 +48,7 @@ from aiohttp import web
 
 from areal.rollout.http_error import BadRequest  # the embedded server's too; OpenAI's body
 from areal.workflow.samples import Call
+from areal.workflow.tool_parsers import ParsedCalls, ToolParser, parse_qwen
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,8 +69,8 @@ def request_params(body: Any, sampling: dict, default_max_tokens: int) -> dict[s
         raise BadRequest("stream=true is not supported: leave it out")
     if body.get("n", 1) != 1:
         raise BadRequest("n must be 1: make one call per sample")
-    if body.get("tools") or body.get("functions"):
-        raise BadRequest("tools are not supported: describe them in the prompt and parse text")
+    if body.get("functions") or body.get("function_call"):
+        raise BadRequest("functions / function_call are deprecated by OpenAI: send tools")
     for key in ("temperature", "top_p"):
         if key in body and body[key] is not None and body[key] != sampling[key]:
             raise BadRequest(
@@ -78,12 +92,79 @@ def request_params(body: Any, sampling: dict, default_max_tokens: int) -> dict[s
     return {"max_new_tokens": max_tokens, "stop": stop}
 
 
+@dataclass(frozen=True)
+class ToolRequest:
+    """What a chat request says about tools."""
+
+    tools: list[dict] | None
+    """OpenAI function tools, for the chat template; None = the request has none."""
+    names: frozenset[str]
+    """Functions a parsed call may name; empty = do not parse (no tools, tool_choice none)."""
+    parallel: bool
+    """False: at most one call per answer (parallel_tool_calls)."""
+
+
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule
+
+
+def tool_request(body: dict) -> ToolRequest:
+    """tools, tool_choice and parallel_tool_calls checked; BadRequest saying what is wrong."""
+    tools = body.get("tools") or None  # [] is sent by some frameworks for "no tools"
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest(f"parallel_tool_calls must be true or false, got {parallel!r}")
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise BadRequest("tool_choice needs tools: send the functions it may call")
+        return ToolRequest(tools=None, names=frozenset(), parallel=parallel is not False)
+    if not isinstance(tools, list):
+        raise BadRequest("tools must be a list of {type: function, function: {name, ...}}")
+    names: list[str] = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise BadRequest(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name", "description", '
+                '"parameters"}}: only function tools are supported'
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            raise BadRequest(f"tools[{i}].function.name must match [a-zA-Z0-9_-]{{1,64}}")
+        if name in names:
+            raise BadRequest(f"tools[{i}]: a second function named {name!r}")
+        if not isinstance(fn.get("description", ""), str):
+            raise BadRequest(f"tools[{i}].function.description must be a string")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object")
+        names.append(name)
+    if choice in (None, "auto", "required"):
+        allowed = frozenset(names)
+    elif choice == "none":
+        allowed = frozenset()
+    else:
+        named = choice.get("function") if isinstance(choice, dict) else None
+        name = named.get("name") if isinstance(named, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+            raise BadRequest(
+                'tool_choice must be "auto", "none", "required" or '
+                '{"type": "function", "function": {"name": ...}}'
+            )
+        if name not in names:
+            raise BadRequest(f"tool_choice names {name!r}, which is not one of the tools")
+        allowed = frozenset([name])
+    return ToolRequest(tools=tools, names=allowed, parallel=parallel is not False)
+
+
 def chat_messages(body: dict) -> list[dict]:
-    """The messages, with OpenAI's content parts joined into the string templates expect."""
+    """The messages, with OpenAI's content parts joined into the string templates expect,
+    and assistant tool calls' arguments as objects (templates write them with tojson, as
+    the model wrote them; SGLang and vLLM do the same)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
     out = []
+    call_ids: set[str] = set()
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a role")
@@ -95,8 +176,53 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(parts)
         if content is not None and not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or text parts")
-        out.append({**m, "content": content or ""})
+        message = {**m, "content": content or ""}
+        if m.get("tool_calls"):
+            if m["role"] != "assistant":
+                raise BadRequest(f"messages[{i}]: only assistant messages carry tool_calls")
+            message["tool_calls"] = [
+                _message_tool_call(c, f"messages[{i}].tool_calls[{j}]")
+                for j, c in enumerate(m["tool_calls"])
+            ]
+            call_ids.update(c["id"] for c in message["tool_calls"])
+        elif "tool_calls" in m:
+            del message["tool_calls"]  # null or []: a plain answer
+        if m["role"] == "tool" and m.get("tool_call_id") not in call_ids:
+            raise BadRequest(
+                f"messages[{i}] (role tool) must answer an earlier assistant tool call: its "
+                f"tool_call_id {m.get('tool_call_id')!r} is none of {sorted(call_ids)}"
+            )
+        out.append(message)
     return out
+
+
+def parse_tool_calls(text: str, tools: ToolRequest, parser: ToolParser) -> ParsedCalls | None:
+    """The answer's tool calls under the request's tool_choice and parallel_tool_calls, or
+    None: the text is the answer."""
+    if not tools.names:
+        return None
+    calls = parser(text, tools.names)
+    if calls is not None and not tools.parallel:  # OpenAI's contract: at most one call
+        calls = ParsedCalls(content=calls.content, tool_calls=calls.tool_calls[:1])
+    return calls
+
+
+def _message_tool_call(call: Any, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadRequest(f'{where} must be {{"id", "type": "function", "function": {{"name", '
+                         '"arguments"}}')  # fmt: skip
+    if not isinstance(call.get("id"), str):
+        raise BadRequest(f"{where}.id must be a string (the id the tool result answers)")
+    arguments = fn.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as e:
+            raise BadRequest(f"{where}.function.arguments is not JSON: {e}") from e
+    if not isinstance(arguments, dict):
+        raise BadRequest(f"{where}.function.arguments must be a JSON object")
+    return {**call, "type": "function", "function": {**fn, "arguments": arguments}}
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:
@@ -106,8 +232,19 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
 
 
 def chat_completion(
-    call_id: str, model: str, text: str, finish: str, n_in: int, n_out: int
+    call_id: str,
+    model: str,
+    text: str,
+    finish: str,
+    n_in: int,
+    n_out: int,
+    calls: ParsedCalls | None = None,
 ) -> dict:
+    """One choice: the text, or (calls given) the calls and the text before them."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls is not None:
+        message = {"role": "assistant", "content": calls.content, "tool_calls": calls.tool_calls}
+        finish = "tool_calls"
     return {
         "id": call_id,
         "object": "chat.completion",
@@ -116,7 +253,7 @@ def chat_completion(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "finish_reason": finish,
                 "logprobs": None,
             }
@@ -174,8 +311,11 @@ class OpenAIEndpoint:
         model: str,
         default_max_tokens: int,
         sampling: dict,
+        tool_parser: ToolParser = parse_qwen,
     ):
         self.tokenizer = tokenizer
+        self.tool_parser = tool_parser
+        """rollout.tool_parser: the model's text -> tool calls (tool_parsers.py)."""
         self.model = model
         self.default_max_tokens = default_max_tokens
         self.sampling = sampling
@@ -234,7 +374,8 @@ class OpenAIEndpoint:
             except ValueError as e:
                 raise BadRequest(f"the body is not JSON: {e}") from e
             params = request_params(body, self.sampling, self.default_max_tokens)
-            input_ids = self._input_ids(body, chat)
+            tools = tool_request(body) if chat else None
+            input_ids = self._input_ids(body, tools)
             session.n_started += 1
             if session.n_started > session.max_turns:
                 session.overrun = (
@@ -254,9 +395,14 @@ class OpenAIEndpoint:
         text = self.tokenizer.decode(traj.output_ids, skip_special_tokens=True)
         text = cut_at_stop(text, params["stop"])
         finish = "length" if traj.finish_reason == "length" else "stop"
-        shape = chat_completion if chat else text_completion
+        n_in, n_out = len(input_ids), len(traj.output_ids)
+        if not chat:
+            shaped = text_completion(call.id, self.model, text, finish, n_in, n_out)
+            return web.json_response(shaped)
+        # Only the response is shaped by the parse; the recorded call keeps the engine's tokens.
+        calls = parse_tool_calls(text, tools, self.tool_parser)
         return web.json_response(
-            shape(call.id, self.model, text, finish, len(input_ids), len(traj.output_ids))
+            chat_completion(call.id, self.model, text, finish, n_in, n_out, calls)
         )
 
     def _session(self, request: web.Request) -> Session:
@@ -272,11 +418,20 @@ class OpenAIEndpoint:
             )
         return session
 
-    def _input_ids(self, body: dict, chat: bool) -> list[int]:
-        if chat:
+    def _input_ids(self, body: dict, tools: ToolRequest | None) -> list[int]:
+        """The chat template's ids of the conversation (tools: a chat request's), or the
+        completion's prompt."""
+        if tools is not None:
+            if tools.tools and "tools" not in str(self.tokenizer.chat_template or ""):
+                raise BadRequest(
+                    "the model's chat template does not render tools, so the model would "
+                    "never see them: use a model whose template has tools (Qwen2.5, Qwen3, "
+                    "the tiny model) or describe the tools in the prompt"
+                )
             try:
                 ids = self.tokenizer.apply_chat_template(
                     chat_messages(body),
+                    tools=tools.tools,
                     add_generation_prompt=True,
                     tokenize=True,
                     return_dict=False,

@@ -11,6 +11,7 @@ weights of the version it is tagged with, which a wrong token or a wrong version
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -21,11 +22,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal.comm.rpc import RpcClient, RpcServer
 from areal.config import load_config
 from areal.controller.controller import Controller
-from areal.models.tiny import make_tiny_model
+from areal.models.tiny import build_tokenizer, make_tiny_model
 from areal.rollout.client import SGLangClient
 from areal.rollout.worker import RolloutWorker
 from areal.trainer.step import _token_tensors
+from areal.trajectory import Trajectory
 from areal.workflow.agent import AgentWorkflow
+from areal.workflow.api import RolloutEngine
+from areal.workflow.openai_endpoint import chat_messages
 from tests.system.conftest import SHARED_MODELS_ENV, copy_weights, embedded_server, ref_logprobs
 
 pytest.importorskip("openai")
@@ -362,3 +366,125 @@ def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
     if counter == "rejected":  # the traceback once, then one line
         assert caplog.text.count("episode rejected (its prompt") == 1
         assert "episode rejected again" in caplog.text
+
+
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "a + b",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+# What the model writes in each call of the episode (Qwen's tool-call format): two calls at
+# once, then one more, then the answer.
+SCRIPT = [
+    'Adding.\n<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>',
+    '<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 2}}\n</tool_call>',
+    "9",
+]
+
+
+def test_tool_calls_through_the_openai_client_keep_the_engines_tokens():
+    """The real client and endpoint against an engine that writes SCRIPT (a tiny random model
+    would not call tools): tool_calls come back parsed, the agent's results are rendered by
+    the template, and the concat sample is the engine's tokens, tool results masked out."""
+    tokenizer = build_tokenizer()
+    produced: list[Trajectory] = []
+
+    async def scripted(input_ids: list[int], n: int, params: dict) -> list[Trajectory]:
+        k = len(produced)
+        out = tokenizer.encode(SCRIPT[k], add_special_tokens=False) + [tokenizer.eos_token_id]
+        half = len(out) // 2  # the second call straddles a weight update: versions 0 then 1
+        t = Trajectory(
+            group_id=0,
+            prompt_ids=list(input_ids),
+            output_ids=out,
+            logprobs=[-0.01 * (k * 100 + i + 1) for i in range(len(out))],
+            versions=[0] * len(out) if k == 0 else [0] * half + [1] * (len(out) - half),
+            finish_reason="stop",
+        )
+        produced.append(t)
+        return [t]
+
+    replies: list = []
+    sent: list[list[dict]] = []
+
+    async def agent(data, client) -> float:
+        messages = [{"role": "user", "content": data["prompt"]}]
+        while True:
+            sent.append([dict(m) for m in messages])
+            reply = await client.chat.completions.create(
+                model="tiny", messages=messages, tools=[ADD_TOOL], max_tokens=64
+            )
+            replies.append(reply.choices[0])
+            message = reply.choices[0].message
+            if not message.tool_calls:
+                return float(message.content == "9")
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                args = json.loads(call.function.arguments)
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}
+                )
+
+    cfg = load_config(None, ["rollout.sample_mode=concat", "rollout.max_turns=4"]).rollout
+    workflow = AgentWorkflow(agent, cfg)
+    engine = RolloutEngine(
+        tokenizer=tokenizer,
+        group_size=1,
+        sampling_params={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8},
+        group_id=0,
+        start_version=0,
+        generate_fn=scripted,
+    )
+
+    async def body():
+        try:
+            return await workflow.arun_episode(engine, {"prompt": "3+4+1+1="})
+        finally:
+            await workflow.aclose()
+
+    (t,) = asyncio.run(body())
+
+    # The agent read parsed calls, then the answer.
+    assert [c.finish_reason for c in replies] == ["tool_calls", "tool_calls", "stop"]
+    assert replies[0].message.content == "Adding."
+    assert [
+        (c.function.name, json.loads(c.function.arguments)) for c in replies[0].message.tool_calls
+    ] == [("add", {"a": 3, "b": 4}), ("add", {"a": 1, "b": 1})]
+    assert replies[1].message.content is None and len(replies[1].message.tool_calls) == 1
+    assert replies[2].message.content == "9" and t.reward == 1.0
+    # Each call's input: exactly the conversation the agent sent, tools included, templated.
+    for p, messages in zip(produced, sent, strict=True):
+        expected = tokenizer.apply_chat_template(
+            chat_messages({"messages": messages}),
+            tools=[ADD_TOOL],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        assert p.prompt_ids == expected
+    # One sequence: the engine's outputs (mask 1, their log-probs and versions as produced)
+    # with the template's and the tools' tokens between them (mask 0).
+    assert t.prompt_ids == produced[0].prompt_ids
+    spans = _runs([0] * len(t.prompt_ids) + t.loss_mask)
+    seq = t.prompt_ids + t.output_ids
+    assert len(spans) == 3
+    n = len(t.prompt_ids)
+    for (a, b), p in zip(spans, produced, strict=True):
+        assert seq[:a] == p.prompt_ids and seq[a:b] == p.output_ids
+        assert t.logprobs[a - n : b - n] == p.logprobs and t.versions[a - n : b - n] == p.versions
+    gaps = zip(spans[:-1], spans[1:], strict=True)
+    results = [tokenizer.decode(seq[b:a]) for (_, b), (a, _) in gaps]
+    assert results == [
+        "\n<|im_start|>user\n<tool_response>\n7\n</tool_response>\n"
+        "<tool_response>\n2\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        "\n<|im_start|>user\n<tool_response>\n9\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n",
+    ]
+    assert workflow.stats()["rollout/concat_fallbacks"] == 0

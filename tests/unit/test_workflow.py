@@ -118,7 +118,7 @@ def test_request_params():
         ({"n": 2}, "n must be 1"),
         ({"stream": True}, "stream"),
         ({"max_tokens": 0}, "positive"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "send tools"),
         ({"presence_penalty": 0.5}, "penalty"),
     ]:
         with pytest.raises(BadRequest, match=needle):
