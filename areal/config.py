@@ -160,6 +160,8 @@ class RolloutConfig(_Section):
     """Rejected episodes in a row that stop the run, with the first error on the console (0 = never)."""  # noqa: E501
     failure_window_s: float = 300.0
     """Seconds of rejected episodes without an accepted one that stop the run likewise (0 = never)."""  # noqa: E501
+    agent_processes: int = 1
+    """Processes that run agents' run(data, client), one thread per episode, off the controller's loop (areal/workflow/agent_host.py); 0 = on the controller's loop."""  # noqa: E501
     tool_parser: str = "qwen"
     """Agents' tool calls: how the model's text becomes OpenAI tool_calls, "qwen" (the tool_call tags of Qwen2/2.5/3 and Hermes) or your own "package.module:function" (areal/workflow/tool_parsers.py)."""  # noqa: E501
 
@@ -167,7 +169,7 @@ class RolloutConfig(_Section):
         self._check_types()
         self._positive("n_servers", "group_size", "max_new_tokens", "max_concurrent")
         self._positive("max_turns", "episode_timeout_s")
-        self._non_negative("max_consecutive_failures", "failure_window_s")
+        self._non_negative("max_consecutive_failures", "failure_window_s", "agent_processes")
         self._one_of("sample_mode", ("individual", "concat"))
         if not 0 <= self.turn_discount <= 1:
             self._fail("turn_discount", f"must be in [0, 1], got {self.turn_discount!r}")

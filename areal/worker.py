@@ -63,6 +63,7 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     server.register("update_weights", worker.update_weights)
     server.register("stats", worker.stats)
     server.register("wait_ready", worker.wait_ready)
+    server.register("abandon", worker.abandon)
     registry.register("rollout", index, server.address)
     try:
         await _serve_until_stopped(server)

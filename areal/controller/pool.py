@@ -7,6 +7,8 @@
     Controller --update_weights(v, dir)------------> every worker --> acknowledged versions
                                                       --> retire weights/ older than v
     a dead worker k --wait_ready--> back (it loads the newest version first) --> alive again
+    a generate cancelled (its episode rejected, timed out) --abandon(call_id)--> its worker
+                                                      aborts the call's requests on the server
 
 | call / task     | waits for                                  | unblocked by                 |
 |-----------------|--------------------------------------------|------------------------------|
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from pathlib import Path
 
 from areal import events, rolelog
@@ -33,6 +36,8 @@ from areal.trajectory import Trajectory
 from areal.weights import retire_older_than
 
 log = logging.getLogger("areal.controller")
+
+_ABANDON_TIMEOUT_S = 30.0
 
 
 class WorkerPool:
@@ -44,6 +49,7 @@ class WorkerPool:
         """Notified when a worker comes back."""
         self._watchers: dict[int, asyncio.Task] = {}  # dead worker -> waiting for it to be back
         self._resubmitted = 0  # samples resumed on another worker, since the last stats()
+        self._abandons: set[asyncio.Task] = set()  # held: asyncio keeps weak references
 
     async def generate(
         self, group_id: int, start_version: int, prompt_ids: list[int], n: int, sampling: dict
@@ -58,6 +64,7 @@ class WorkerPool:
                 await self.alive.wait_for(self.router.any_alive)
                 k = self.router.pick(preferred=k)
                 self.router.load[k] += 1
+            call_id = uuid.uuid4().hex
             try:
                 wire = await self.workers[k].call(
                     "generate",
@@ -67,7 +74,12 @@ class WorkerPool:
                     sampling_params=sampling,
                     start_version=start_version,
                     partial=partial,
+                    call_id=call_id,
                 )
+            except asyncio.CancelledError:
+                # Nobody will read these samples: free the server's slots for work that counts.
+                self._abandon(k, call_id)
+                raise
             finally:
                 self.router.load[k] -= 1
             trajs = [Trajectory.from_wire(w) for w in wire]
@@ -77,6 +89,17 @@ class WorkerPool:
                 return done
             self._server_down(k)
             self._resubmitted += len(partial)
+
+    def _abandon(self, k: int, call_id: str) -> None:
+        async def abandon() -> None:
+            try:
+                await self.workers[k].call("abandon", timeout=_ABANDON_TIMEOUT_S, call_id=call_id)
+            except Exception as e:  # the samples finish on their own; only server time is lost
+                log.warning("could not abandon call %s on worker %d: %s", call_id, k, e)
+
+        task = asyncio.create_task(abandon())
+        self._abandons.add(task)
+        task.add_done_callback(self._abandons.discard)
 
     async def update_weights(self, version: int, path: str) -> None:
         """Load `version` on every worker; a dead one loads the newest before it serves
@@ -104,6 +127,8 @@ class WorkerPool:
         serving = [v for v, ok in zip(self.router.version, self.router.alive, strict=True) if ok]
         return {
             "rollout/interrupted": sum(s["n_interrupted"] for s in worker_stats),
+            # Requests aborted on the servers because their episode had ended (abandon).
+            "rollout/abandoned": sum(s["n_abandoned"] for s in worker_stats),
             "rollout/servers_alive": sum(self.router.alive),
             # The oldest weights a serving server holds (as it acknowledged them).
             "rollout/server_version_min": min(serving, default=-1),
@@ -112,7 +137,7 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop waiting for dead workers (the run ends)."""
-        for task in list(self._watchers.values()):
+        for task in [*self._watchers.values(), *self._abandons]:
             task.cancel()
 
     def _server_down(self, k: int) -> None:

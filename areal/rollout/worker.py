@@ -5,6 +5,7 @@
     controller --update_weights(v, dir)-> worker --update_weights_from_disk(
                                                      abort_all_requests)--> client --> server
     controller --wait_ready------------->  (answers once a dead server is back, on the latest v)
+    controller --abandon(call_id)-------> worker --abort_request(rid) per request of that call
 
 client: the worker's InferenceClient (areal/rollout/inference.py), made by the client factory
 of inference.backend (SGLangClient for SGLang and for the embedded server); the worker knows
@@ -16,6 +17,10 @@ no wire format, so another inference backend (vLLM) is one more client class.
 | resumed samples   | the server's new weights       | the weight update finishing           |
 | weight update     | the server to abort and load   | update_weights_from_disk answering    |
 | recovery          | the restarted server's health  | the launcher restarting it; deadline  |
+
+Abandoned calls: a generate whose episode ended first (rejected, timed out, its agent's
+session closed) is worth nothing, so the controller abandons it: its requests are aborted
+on the server and not resumed, and the server's slots go to work that counts.
 
 Interruptible (the paper): an update aborts in-flight generations; each comes back with its
 partial output, and is resubmitted as prompt + partial output (a group's unfinished samples
@@ -86,6 +91,10 @@ class RolloutWorker:
         self._latest: tuple[int, str] | None = None  # the newest (version, path) asked for
         self.n_interrupted = 0
         """Requests interrupted by weight updates since the last stats() call."""
+        self.n_abandoned = 0
+        """Requests aborted because their call was abandoned, since the last stats() call."""
+        self._calls: dict[str, list[str]] = {}  # call_id -> its requests' rids now in flight
+        self._abandoned: set[str] = set()
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -105,10 +114,11 @@ class RolloutWorker:
         sampling_params: dict,
         start_version: int,
         partial: list[dict] | None = None,
+        call_id: str = "",
     ) -> list[dict]:
         """Sample n responses to one prompt, or continue the `partial` ones (which another
         server left unfinished); returns trajectories in wire form, unfinished ones
-        (finish_reason "") when the server went down."""
+        (finish_reason "") when the server went down. call_id names the call for abandon()."""
         if partial is not None:
             trajs = [Trajectory.from_wire(w) for w in partial]
         else:
@@ -117,10 +127,31 @@ class RolloutWorker:
                            start_version=start_version, t_start=time.time())
                 for _ in range(n)
             ]  # fmt: skip
-        await self._sample(trajs, sampling_params)
+        call_id = call_id or uuid.uuid4().hex
+        self._calls[call_id] = []
+        try:
+            await self._sample(trajs, sampling_params, call_id)
+        finally:
+            del self._calls[call_id]
+            self._abandoned.discard(call_id)
         return [t.to_wire() for t in trajs]
 
-    async def _sample(self, trajs: list[Trajectory], sampling_params: dict) -> None:
+    async def abandon(self, call_id: str) -> dict:
+        """Abort the requests of generate(call_id) on the server, and resume none of them:
+        nobody waits for them. {"aborted": how many requests were in flight}."""
+        rids = self._calls.get(call_id)
+        if rids is None:  # finished already (or never came)
+            return {"aborted": 0}
+        self._abandoned.add(call_id)
+        for rid in rids:
+            try:
+                await self.client.abort_request(rid)
+            except (ServerDied, RuntimeError) as e:  # it ends anyway; the server is the loser
+                log.warning("could not abort abandoned request %s: %s", rid, e)
+        self.n_abandoned += len(rids)
+        return {"aborted": len(rids)}
+
+    async def _sample(self, trajs: list[Trajectory], sampling_params: dict, call_id: str) -> None:
         """Generate into trajs until each finishes, or the server is down. The unfinished
         ones go to the server as one generate_batch (one round trip per group, not per
         sample); the aborted ones are resubmitted together."""
@@ -131,8 +162,9 @@ class RolloutWorker:
             if not todo:
                 return
             await self._open.wait()
-            if not self._alive.is_set():
+            if not self._alive.is_set() or call_id in self._abandoned:
                 return
+            self._calls[call_id] = [rids[id(t)] for t in todo]
             self._in_flight += len(todo)
             self._idle.clear()
             try:
@@ -149,6 +181,8 @@ class RolloutWorker:
                 self._in_flight -= len(todo)
                 if self._in_flight == 0:
                     self._idle.set()
+            if call_id in self._abandoned:
+                return  # back aborted (or finished meanwhile): nobody waits for them
             aborted = []
             for traj, out in zip(todo, outs, strict=True):
                 traj.extend(out.output_ids, out.logprobs, out.weight_version)
@@ -265,4 +299,5 @@ class RolloutWorker:
 
     async def stats(self) -> dict:
         n, self.n_interrupted = self.n_interrupted, 0
-        return {"n_interrupted": n, "in_flight": self._in_flight}
+        abandoned, self.n_abandoned = self.n_abandoned, 0
+        return {"n_interrupted": n, "n_abandoned": abandoned, "in_flight": self._in_flight}

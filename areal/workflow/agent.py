@@ -1,6 +1,7 @@
 """Agents: `async run(data, client) -> float | dict[str, float]` as a workflow.
 
-    admitted row --> G sessions of the endpoint --> G concurrent run(row, client_g)
+    admitted row --> G sessions of the endpoint --> G concurrent run(row, client_g),
+                     in the agent processes (agent_host.py; rollout.agent_processes)
         each call of run() --> OpenAIEndpoint --> engine.generate (recorded, token exact)
     rewards returned --> per-call rewards --> returns (rollout.turn_discount)
         --> samples (rollout.sample_mode: individual, or concat with a fallback)
@@ -8,9 +9,11 @@
 `client` is an `openai.AsyncOpenAI` whose API key is the episode's session token: the agent
 imports nothing of ours. An episode that raises, returns garbage or makes more than
 rollout.max_turns calls fails its whole group (which the staleness gate counts once): the
-controller rejects it and generates its row again. Counted per step: episodes that fell
-back from concat (`rollout/concat_fallbacks`), their returns and calls
-(`episode/return_mean`: undiscounted sum of the rewards, `episode/calls_mean`).
+controller rejects it and generates its row again; its calls still generating are
+aborted on the server. Counted per step: episodes that fell back from concat
+(`rollout/concat_fallbacks`), their returns and calls (`episode/return_mean`: undiscounted
+sum of the rewards, `episode/calls_mean`), agent processes started again after dying
+(`episode/agent_restarts`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from areal.config import RolloutConfig
 from areal.trajectory import Trajectory
+from areal.workflow.agent_host import AgentHosts
 from areal.workflow.api import EpisodeError, RolloutEngine, Workflow
 from areal.workflow.openai_endpoint import OpenAIEndpoint, Session
 from areal.workflow.samples import (
@@ -41,13 +45,34 @@ AgentRun = Callable[[dict, Any], Awaitable[float | dict[str, float]]]
 """`async def run(data, client) -> reward(s)`: an agent, as the user writes it."""
 
 
+def agent_spec(run: AgentRun) -> str:
+    """ "module:function", by which an agent process imports `run`; ValueError if it cannot."""
+    from areal.workflow import resolve
+
+    spec = f"{run.__module__}:{run.__qualname__}"
+    try:
+        importable = "<locals>" not in spec and resolve(spec) is run
+    except ValueError:
+        importable = False
+    if not importable:
+        raise ValueError(
+            f"the agent {spec} cannot be imported by name, so no agent process can run it: "
+            "define it at module level, or set rollout.agent_processes=0 to run it on the "
+            "controller's loop"
+        )
+    return spec
+
+
 class AgentWorkflow(Workflow):
     def __init__(self, run: AgentRun, rollout_cfg: RolloutConfig | None = None):
         self.run = run
         self.cfg = rollout_cfg or RolloutConfig()
+        self.spec = agent_spec(run) if self.cfg.agent_processes else ""
         self.endpoint: OpenAIEndpoint | None = None
+        self.hosts: AgentHosts | None = None
+        """The agent processes (rollout.agent_processes > 0), started with the endpoint."""
         self._client = None
-        self._start_lock = asyncio.Lock()
+        self._starting: asyncio.Task | None = None
         self._warned_fallback = False
         self._reset_counts()
 
@@ -58,36 +83,48 @@ class AgentWorkflow(Workflow):
         self._fallbacks = 0
 
     async def _ready(self, engine: RolloutEngine) -> None:
-        """The endpoint and a base client, made on the first episode (in the running loop)."""
-        async with self._start_lock:
-            if self.endpoint is not None:
-                return
-            try:
-                import openai
-            except ImportError as e:
-                raise RuntimeError(
-                    "an agent workflow hands its agent an openai.AsyncOpenAI client: "
-                    "pip install openai"
-                ) from e
-            model = Path(str(getattr(engine.tokenizer, "name_or_path", "") or "model")).name
-            endpoint = OpenAIEndpoint(
-                engine.tokenizer,
-                model=model,
-                default_max_tokens=self.cfg.max_new_tokens,
-                sampling=engine.sampling_params,
-                tool_parser=load_tool_parser(self.cfg.tool_parser),
+        """The endpoint, and the agent processes or a base client: started by the first
+        episode, in the running loop. Shielded: an episode that times out meanwhile does
+        not cancel the start the others wait for; a failed start fails every episode."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start(engine))
+        try:
+            await asyncio.shield(self._starting)
+        except RuntimeError as e:
+            raise RuntimeError(str(e)) from None  # the same words, not one traceback grown
+
+    async def _start(self, engine: RolloutEngine) -> None:
+        try:
+            import openai
+        except ImportError as e:
+            raise RuntimeError(
+                "an agent workflow hands its agent an openai.AsyncOpenAI client: pip install openai"
+            ) from e
+        model = Path(str(getattr(engine.tokenizer, "name_or_path", "") or "model")).name
+        endpoint = OpenAIEndpoint(
+            engine.tokenizer,
+            model=model,
+            default_max_tokens=self.cfg.max_new_tokens,
+            sampling=engine.sampling_params,
+            tool_parser=load_tool_parser(self.cfg.tool_parser),
+        )
+        await endpoint.start()
+        self.endpoint = endpoint
+        if self.cfg.agent_processes:
+            self.hosts = AgentHosts(
+                self.spec, self.cfg.agent_processes, endpoint.base_url, self.cfg.episode_timeout_s
             )
-            await endpoint.start()
-            for name in ("httpx", "httpx2"):  # one INFO line per call otherwise
-                logging.getLogger(name).setLevel(logging.WARNING)
-            # No retries: a retried call would be a second recorded call, or hide an error.
-            self._client = openai.AsyncOpenAI(
-                base_url=endpoint.base_url,
-                api_key="-",
-                max_retries=0,
-                timeout=self.cfg.episode_timeout_s,
-            )
-            self.endpoint = endpoint
+            await self.hosts.start()
+            return
+        for name in ("httpx", "httpx2"):  # one INFO line per call otherwise
+            logging.getLogger(name).setLevel(logging.WARNING)
+        # No retries: a retried call would be a second recorded call, or hide an error.
+        self._client = openai.AsyncOpenAI(
+            base_url=endpoint.base_url,
+            api_key="-",
+            max_retries=0,
+            timeout=self.cfg.episode_timeout_s,
+        )
 
     async def arun_episode(self, engine: RolloutEngine, data: dict) -> list[Trajectory]:
         await self._ready(engine)
@@ -118,9 +155,12 @@ class AgentWorkflow(Workflow):
 
     async def _episode(self, session: Session, data: dict) -> tuple[list[Call], list[float]]:
         """One run of the agent: its calls (in order) and each call's own reward."""
-        client = self._client.with_options(api_key=session.token)
         try:
-            result = await self.run(dict(data), client)
+            if self.hosts is not None:
+                result = await self.hosts.run(dict(data), session.token)
+            else:
+                client = self._client.with_options(api_key=session.token)
+                result = await self.run(dict(data), client)
         except Exception as e:
             if session.overrun:
                 raise EpisodeError(session.overrun) from e
@@ -157,10 +197,17 @@ class AgentWorkflow(Workflow):
             "episode/calls_mean": self._sum_calls / n,
             "episode/count": float(self._n_episodes),
         }
+        if self.hosts is not None:
+            out["episode/agent_restarts"] = float(self.hosts.restarts)
+            self.hosts.restarts = 0
         self._reset_counts()
         return out
 
     async def aclose(self) -> None:
+        if self._starting is not None:
+            self._starting.cancel()
+        if self.hosts is not None:
+            await self.hosts.close()
         if self._client is not None:
             await self._client.close()
         if self.endpoint is not None:

@@ -22,11 +22,14 @@ change the sampling distribution the trainer's log-probs assume): the model sees
 as under "auto", only the named function counts as a call, and anything else returns as
 text for the agent to handle. `parallel_tool_calls: false` keeps the first call only.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models. Sampling is the
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models; POST
+/v1/responses (the Responses API, the OpenAI Agents SDK's default) answers 404 saying to
+use chat completions (OpenAIChatCompletionsModel). Sampling is the
 run's (the trainer's log-probs assume rollout.temperature, top_p, top_k): a request may
 set only the length, and may repeat the run's values; one call returns one choice, not
 streamed. A session's (max_turns + 1)-th call is refused, and marks the episode overrun.
-A call that ends after its episode did (rejected, timed out) is answered 410 and dropped.
+A call still generating when its episode ends (rejected, timed out) is cancelled, which
+aborts its requests on the server (the pool abandons them), and is answered 410.
 
 | waits for                      | unblocked by                                   |
 |--------------------------------|------------------------------------------------|
@@ -35,6 +38,7 @@ A call that ends after its episode did (rejected, timed out) is answered 410 and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -301,6 +305,8 @@ class Session:
     overrun: str = ""
     """Why the episode broke its limits ("" = it did not)."""
     closed: bool = False
+    generating: set[asyncio.Task] = field(default_factory=set)
+    """Its calls' generations in flight: cancelled when the session closes."""
 
 
 class OpenAIEndpoint:
@@ -329,6 +335,7 @@ class OpenAIEndpoint:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/responses", self._responses)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -350,14 +357,26 @@ class OpenAIEndpoint:
         return session
 
     def close_session(self, session: Session) -> None:
-        """No call of the session is recorded after this (late ones are answered 410)."""
+        """No call of the session is recorded after this: the ones in flight are cancelled
+        (their requests aborted on the server) and answered 410."""
         session.closed = True
         self.sessions.pop(session.token, None)
+        for generation in session.generating:
+            generation.cancel()
 
     # ---- handlers -------------------------------------------------------------------------
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "areal"}]}
+        )
+
+    async def _responses(self, request: web.Request) -> web.Response:
+        return _error(
+            "the Responses API (/v1/responses) is not served here: use chat completions "
+            "(the OpenAI Agents SDK: OpenAIChatCompletionsModel(model=..., openai_client="
+            "client); openai: client.chat.completions.create)",
+            404,
+            "not_found",
         )
 
     async def _chat(self, request: web.Request) -> web.Response:
@@ -382,7 +401,7 @@ class OpenAIEndpoint:
                     f"the episode made more than rollout.max_turns={session.max_turns} calls"
                 )
                 raise BadRequest(session.overrun, code="max_turns_exceeded")
-            (traj,) = await session.engine.generate(input_ids, 1, params["max_new_tokens"])
+            (traj,) = await self._generate(session, input_ids, params["max_new_tokens"])
         except BadRequest as e:
             return _error(str(e), e.status, e.code)
         except Exception as e:  # generation failed (e.g. the prompt is too long for the model)
@@ -404,6 +423,18 @@ class OpenAIEndpoint:
         return web.json_response(
             chat_completion(call.id, self.model, text, finish, n_in, n_out, calls)
         )
+
+    async def _generate(self, session: Session, input_ids: list[int], max_new: int) -> list:
+        generation = asyncio.ensure_future(session.engine.generate(input_ids, 1, max_new))
+        session.generating.add(generation)
+        try:
+            return await generation
+        except asyncio.CancelledError as e:
+            if not (session.closed and generation.cancelled()):
+                raise  # this handler itself was cancelled
+            raise BadRequest("the episode of this session has ended", 410, "session_closed") from e
+        finally:
+            session.generating.discard(generation)
 
     def _session(self, request: web.Request) -> Session:
         auth = request.headers.get("Authorization", "")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -58,7 +60,18 @@ def warm_model() -> Path:
 
 
 def make_controller(agent, workers, tokenizer, *overrides: str) -> Controller:
-    cfg = load_config(None, ["rollout.group_size=1", "rollout.max_turns=4", *overrides])
+    """Agents made inside a test (closures that record what they saw) run on the controller's
+    loop; module-level ones in an agent process, as a run would."""
+    in_loop = "<locals>" in agent.__qualname__
+    cfg = load_config(
+        None,
+        [
+            "rollout.group_size=1",
+            "rollout.max_turns=4",
+            f"rollout.agent_processes={0 if in_loop else 1}",
+            *overrides,
+        ],
+    )
     rows = [{"prompt": "3+4=", "answer": "7", "task": "arith", "prompt_ids": [1]}]
     return Controller(
         cfg, rows, tokenizer, workers, reward=None, workflow=AgentWorkflow(agent, cfg.rollout)
@@ -76,7 +89,7 @@ class Served:
     def __init__(self, url: str):
         self.worker = RolloutWorker(url)
         self.server = RpcServer(KEY, host="127.0.0.1")
-        for name in ("generate", "update_weights", "stats", "wait_ready"):
+        for name in ("generate", "update_weights", "stats", "wait_ready", "abandon"):
             self.server.register(name, getattr(self.worker, name))
         self.task = asyncio.create_task(self.server.serve())
         self.client = RpcClient(self.server.address, KEY)
@@ -312,6 +325,11 @@ async def _overruns(data, client):
     return 1.0
 
 
+async def _kills_its_process(data, client):
+    await _one_call(client)
+    os.kill(os.getpid(), signal.SIGKILL)  # a segfaulting tool, the OOM killer
+
+
 async def _hangs(data, client):
     await _one_call(client)
     await asyncio.sleep(60)
@@ -327,6 +345,7 @@ async def _hangs(data, client):
         (_not_finite, "finite", "rejected"),
         (_no_call, "made no call", "rejected"),
         (_overruns, "max_turns=2", "rejected"),
+        (_kills_its_process, "agent process 0 died (exit status -9)", "rejected"),
         (_hangs, "episode_timeout_s", "timeout"),
     ],
 )
@@ -344,16 +363,18 @@ def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
                 tokenizer,
                 "rollout.group_size=2",
                 "rollout.max_turns=2",
-                "rollout.episode_timeout_s=3",
+                # 3 s for the agent that hangs; the others must fail by themselves.
+                f"rollout.episode_timeout_s={3 if counter == 'timeout' else 60}",
             )
             capacity = c.gate.capacity()
             row = c.rows[0]
             groups = [await run_group(c) for _ in range(2)]
-            return c, capacity, row, groups
+            return c, capacity, row, groups, c.workflow.stats()
         finally:
+            await c.workflow.aclose()
             await served.close()
 
-    c, capacity, row, groups = asyncio.run(body())
+    c, capacity, row, groups, workflow_stats = asyncio.run(body())
     assert groups == [None, None]
     # Nothing kept, the place in the gate free again, the prompt waiting to be generated.
     assert (c.gate.n_running, c.gate.n_accepted, c.gate.capacity()) == (0, 0, capacity)
@@ -366,6 +387,8 @@ def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
     if counter == "rejected":  # the traceback once, then one line
         assert caplog.text.count("episode rejected (its prompt") == 1
         assert "episode rejected again" in caplog.text
+    if agent is _kills_its_process:  # the second group waited for it to be started again
+        assert workflow_stats["episode/agent_restarts"] >= 1
 
 
 ADD_TOOL = {
@@ -433,7 +456,8 @@ def test_tool_calls_through_the_openai_client_keep_the_engines_tokens():
                     {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] + args["b"])}
                 )
 
-    cfg = load_config(None, ["rollout.sample_mode=concat", "rollout.max_turns=4"]).rollout
+    overrides = ["rollout.sample_mode=concat", "rollout.max_turns=4", "rollout.agent_processes=0"]
+    cfg = load_config(None, overrides).rollout
     workflow = AgentWorkflow(agent, cfg)
     engine = RolloutEngine(
         tokenizer=tokenizer,
@@ -488,3 +512,108 @@ def test_tool_calls_through_the_openai_client_keep_the_engines_tokens():
         "<|im_start|>assistant\n",
     ]
     assert workflow.stats()["rollout/concat_fallbacks"] == 0
+
+
+BLOCK_S = 2.0
+
+
+async def _blocks(data, client):
+    """An agent written without care: a synchronous call, then a CPU-heavy tool."""
+    await _one_call(client)
+    time.sleep(BLOCK_S)  # e.g. requests.get, or LangChain's invoke
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # e.g. a solver in pure Python
+        pass
+    return 1.0
+
+
+@pytest.mark.parametrize("processes", [1, 0])
+def test_a_blocking_agent_stalls_nothing_of_the_controller_in_an_agent_process(
+    random_versions, random_server, processes
+):
+    """A group of two blocking episodes runs while the controller's loop serves a
+    single-turn workload (generations through the pool, as other groups would). In an agent
+    process the loop never lags more than lag_bound_s and every single-turn generation ends
+    while the agents still block; on the controller's loop (processes=0) the loop stops for
+    the whole BLOCK_S, which is what the agent processes are for."""
+    lag_bound_s = 0.5  # an idle loop's tick lags ~10 ms here, ~100 ms on a loaded 2-core CI
+    tokenizer = AutoTokenizer.from_pretrained(random_versions[0])
+    prompt = tokenizer("1+1=")["input_ids"]
+
+    async def body() -> tuple[float, list[float], float]:
+        served = Served(random_server)
+        c = make_controller(
+            _blocks, [served.client], tokenizer, "rollout.group_size=2",
+            f"rollout.agent_processes={processes}", "rollout.episode_timeout_s=60",
+        )  # fmt: skip
+        lag, done_at = 0.0, []
+
+        async def ticker() -> None:
+            nonlocal lag
+            while True:
+                t = time.monotonic()
+                await asyncio.sleep(0.01)
+                lag = max(lag, time.monotonic() - t - 0.01)
+
+        async def single_turn() -> None:
+            for i in range(5):
+                await c.pool.generate(100 + i, 0, prompt, 1, {**c.sampling, "max_new_tokens": 4})
+                done_at.append(time.monotonic())
+
+        tick = asyncio.create_task(ticker())
+        try:
+            group = await c.admit()
+            await asyncio.gather(group, single_turn())
+            assert group.result() is not None, "the blocking episodes are accepted"
+            return lag, done_at, time.monotonic()
+        finally:
+            tick.cancel()
+            await c.workflow.aclose()
+            await served.close()
+
+    lag, done_at, group_end = asyncio.run(body())
+    if processes:
+        assert lag < lag_bound_s, lag
+        assert max(done_at) < group_end - BLOCK_S, "a single-turn generation waited for an agent"
+    else:
+        assert lag >= BLOCK_S, lag
+
+
+def test_a_call_left_running_by_a_rejected_episode_is_aborted_on_the_server(
+    random_versions, random_server
+):
+    """Episode B's call is generating when episode A of the same group raises: the group is
+    rejected, B's call cancelled, and its request aborted on the server (not left to run
+    its 900 tokens): the server generates nothing more."""
+    tokenizer = AutoTokenizer.from_pretrained(random_versions[0])
+    starts = iter(range(2))
+
+    async def agent(data, client) -> float:
+        if next(starts) == 0:  # A: fails once B's call is surely running
+            while await generated(random_server) < base + 20:
+                await asyncio.sleep(0.01)
+            raise ValueError("A fails")
+        await client.chat.completions.create(  # B
+            model="tiny", messages=[{"role": "user", "content": "1+1="}], max_tokens=900
+        )
+        return 1.0
+
+    async def body() -> tuple[list | None, int, dict]:
+        served = Served(random_server)
+        c = make_controller(agent, [served.client], tokenizer, "rollout.group_size=2")
+        c.sampling["ignore_eos"] = True  # B's call runs its 900 tokens unless aborted
+        try:
+            group = await asyncio.wait_for(run_group(c), 60)
+            await asyncio.sleep(0.5)  # the abandon is sent after the group's end
+            before = await generated(random_server)
+            await asyncio.sleep(0.5)
+            return group, await generated(random_server) - before, await served.worker.stats()
+        finally:
+            await c.workflow.aclose()
+            await served.close()
+
+    base = asyncio.run(generated(random_server))
+    group, more, stats = asyncio.run(body())
+    assert group is None
+    assert more == 0
+    assert stats["n_abandoned"] == 1 and stats["in_flight"] == 0

@@ -124,3 +124,32 @@ def test_non_interruptible_update_waits_for_generation(server, versions):
         assert (t.n_interrupts, t.finish_reason, len(t.output_ids)) == (0, "length", N_NEW)
         assert set(t.versions) == {5}
     assert all(set(t.versions) == {6} for t in after)
+
+
+def test_an_abandoned_call_is_aborted_on_the_server_and_not_resumed(server, versions):
+    """The controller abandons a call whose episode ended: the server stops generating its
+    requests at once, and the worker does not resume them (nor count an interruption)."""
+    long = {**SAMPLING, "max_new_tokens": 900}
+
+    async def body() -> tuple[list[Trajectory], dict, int, dict]:
+        worker = RolloutWorker(server, interruptible=True)
+        try:
+            running = asyncio.create_task(
+                worker.generate(3, prompt(versions, 2), 4, long, start_version=0, call_id="c1")
+            )
+            await wait_generated(worker, 4 * 10)
+            reply = await worker.abandon("c1")
+            trajs = [Trajectory.from_wire(w) for w in await asyncio.wait_for(running, 30)]
+            before = await generated_tokens(worker)
+            await asyncio.sleep(0.5)  # four unaborted requests would add hundreds of tokens
+            idle = await generated_tokens(worker) - before
+            return trajs, reply, idle, await worker.stats()
+        finally:
+            await worker.client.close()
+
+    trajs, reply, idle, stats = asyncio.run(body())
+    assert reply == {"aborted": 4}
+    assert idle == 0
+    assert len(trajs) == 4 and not any(t.finish_reason for t in trajs)  # none finished
+    assert stats["n_abandoned"] == 4 and stats["n_interrupted"] == 0
+    assert stats["in_flight"] == 0

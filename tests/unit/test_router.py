@@ -57,7 +57,7 @@ class FakeWorker:
             self.dying = False
             return {"version": self.version}
         assert method == "stats"
-        return {"n_interrupted": 0}
+        return {"n_interrupted": 0, "n_abandoned": 0}
 
 
 def test_a_dead_servers_samples_resume_elsewhere_and_it_is_used_again_once_back(tmp_path):
