@@ -46,7 +46,7 @@ AgentRun = Callable[[dict, Any], Awaitable[float | dict[str, float]]]
 
 
 def agent_spec(run: AgentRun) -> str:
-    """ "module:function", by which an agent process imports `run`; ValueError if it cannot."""
+    """The "module:function" by which an agent process imports `run`; ValueError if none."""
     from areal.workflow import resolve
 
     spec = f"{run.__module__}:{run.__qualname__}"
