@@ -1,16 +1,25 @@
 """One PPO step's tokens/s: packed micro-batches without a [T, T] mask against padded ones.
 
-    python benchmarks/trainer.py [--n-seqs 64] [--repeats 3] [--median-len 100] [--no-dense]
+    python benchmarks/trainer.py [--lengths even64,even128,longtail] [--n-seqs 64]
+        [--repeats 3] [--median-len 100] [--no-dense]
 
 The trainer's own step (`areal.trainer.step.train_step`: proximal log-probs, then
 ppo.n_minibatches updates) with a TorchBackend on a random Qwen2 of ~4M parameters
-(hidden 256, intermediate 1024, 4 layers, 8 heads / 4 KV heads), on one batch of
-long-tailed lengths (lognormal output lengths clipped to 10..1500 after a short prompt).
+(hidden 256, intermediate 1024, 4 layers, 8 heads / 4 KV heads), on one batch per
+geometry of --lengths:
+
+- even64 / even128: prompts of 16..24 tokens (~20), every answer 64 (128) tokens: lengths
+  differ by the prompt only (near-even: padding wastes 4% / 2% of the tokens, and packed
+  attention pays one call per distinct length);
+- longtail: prompts of 16..47 tokens, lognormal answer lengths (median --median-len,
+  spread --sigma) clipped to 10..1500, where padding wastes most.
+
 All variants get the same trajectories and the same dynamic micro-batches; only the
 forward of a micro-batch differs:
 
-- packed: the backend as it is, one padding-free stream per micro-batch, attention per
-  sequence (areal/trainer/packed_attention.py): cost ~ sum of L_i^2;
+- packed: the backend as it is, one padding-free stream per micro-batch, attention per run
+  of equal lengths or per padded bucket of near-equal ones, as its cost model picks
+  (areal/trainer/packed_attention.py): cost ~ sum of L_i^2;
 - padded: the usual transformers way, the micro-batch right-padded to its longest
   sequence with an attention mask (stock SDPA), cost ~ n * L_max (and n * L_max^2); like
   packed, it computes no logits for prompt positions (TRL's logits_to_keep).
@@ -21,7 +30,10 @@ forward of a micro-batch differs:
 
 Tokens/s counts every token of the batch (prompt and output) per second of the whole step;
 medians over --repeats, the variants interleaved so that all see the same machine, after
-one warm-up step each on a small batch. The last line is the ratio packed / padded.
+one warm-up step each on a small batch. A table per geometry, then a summary: packed and
+padded tokens/s side by side with their ratio, one line per geometry. The (CPU) columns
+time the same steps by the process's CPU time instead of the wall clock: on a machine
+shared with other work the wall clock swings by tens of percent from step to step.
 """
 
 from __future__ import annotations
@@ -110,12 +122,24 @@ class DenseMaskBackend(TorchBackend):
         return token_lp[:, 0][keep]
 
 
-def make_trajectories(n: int, vocab: int, median: float, sigma: float, seed: int):
+def output_lengths(geometry: str, n: int, median: float, sigma: float, rng) -> list[int]:
+    """Answer lengths of one geometry: fixed for evenN, lognormal for longtail."""
+    if geometry.startswith("even"):
+        return [int(geometry[len("even") :])] * n
+    if geometry == "longtail":
+        return np.clip(rng.lognormal(np.log(median), sigma, n), 10, 1500).astype(int).tolist()
+    raise ValueError(f"unknown geometry {geometry!r}: evenN (N answer tokens) or longtail")
+
+
+def make_trajectories(
+    n: int, vocab: int, geometry: str, seed: int, median: float = 100, sigma: float = 1.3
+):
     rng = np.random.default_rng(seed)
-    out_lens = np.clip(rng.lognormal(np.log(median), sigma, n), 10, 1500).astype(int)
     trajs = []
-    for i, n_out in enumerate(out_lens.tolist()):
-        prompt = rng.integers(vocab, size=int(rng.integers(16, 48))).tolist()
+    # longtail keeps its former prompts of 16..47 tokens: the same batch as before.
+    longest_prompt = 48 if geometry == "longtail" else 25
+    for i, n_out in enumerate(output_lengths(geometry, n, median, sigma, rng)):
+        prompt = rng.integers(vocab, size=int(rng.integers(16, longest_prompt))).tolist()
         output = rng.integers(vocab, size=n_out).tolist()
         trajs.append(
             Trajectory(
@@ -130,11 +154,36 @@ def make_trajectories(n: int, vocab: int, median: float, sigma: float, seed: int
     return trajs
 
 
+def time_geometry(
+    backends: dict, trajs: list, step_kw: dict, repeats: int
+) -> dict[str, dict[str, float]]:
+    """Each variant's tokens/s by the median step time, of the wall clock and of the process's
+    CPU time (what the step costs its thread(s), less sensitive to a shared machine's other
+    load), the variants interleaved."""
+    n_tokens = sum(len(t.prompt_ids) + len(t.output_ids) for t in trajs)
+    times: dict[str, dict[str, list[float]]] = {v: {"wall": [], "cpu": []} for v in backends}
+    for r in range(repeats):
+        for v, backend in backends.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            train_step(backend, trajs, seed=r, **step_kw)
+            times[v]["wall"].append(time.perf_counter() - t0)
+            times[v]["cpu"].append(time.process_time() - c0)
+    tput = {v: {k: n_tokens / statistics.median(x) for k, x in t.items()} for v, t in times.items()}
+    print(f"{'variant':<8} {'tokens/s':>9} {'(CPU)':>7}   step seconds")
+    for v in backends:
+        spread = ", ".join(f"{t:.2f}" for t in times[v]["wall"])
+        print(f"{v:<8} {tput[v]['wall']:9.0f} {tput[v]['cpu']:7.0f}   {spread}")
+    return tput
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--lengths", default="even64,even128,longtail", help="geometries, comma-separated"
+    )
     parser.add_argument("--n-seqs", type=int, default=64, help="trajectories per step")
-    parser.add_argument("--median-len", type=float, default=100, help="median output length")
-    parser.add_argument("--sigma", type=float, default=1.3, help="lognormal spread")
+    parser.add_argument("--median-len", type=float, default=100, help="longtail median output")
+    parser.add_argument("--sigma", type=float, default=1.3, help="longtail lognormal spread")
     parser.add_argument("--max-tokens-per-mb", type=int, default=4096)
     parser.add_argument("--n-minibatches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
@@ -154,10 +203,6 @@ def main() -> None:
         }
     vocab = backends["packed"].model.config.vocab_size
     n_params = sum(p.numel() for p in backends["packed"].model.parameters())
-    trajs = make_trajectories(args.n_seqs, vocab, args.median_len, args.sigma, seed=0)
-    warm = make_trajectories(8, vocab, 32, 0.5, seed=1)
-    lens = [len(t.prompt_ids) + len(t.output_ids) for t in trajs]
-    n_tokens = sum(lens)
     step_kw = dict(
         eps_clip=0.2,
         use_decoupled_loss=True,
@@ -167,27 +212,34 @@ def main() -> None:
         max_tokens_per_mb=args.max_tokens_per_mb,
     )
     print(
-        f"{args.n_seqs} sequences, {n_tokens} tokens (lengths: median {int(np.median(lens))}, "
-        f"max {max(lens)}); Qwen2 {n_params / 1e6:.1f}M params; {args.n_minibatches} "
-        f"minibatches, max_tokens_per_mb={args.max_tokens_per_mb}; {args.threads} thread(s)"
+        f"Qwen2 {n_params / 1e6:.1f}M params; {args.n_minibatches} minibatches, "
+        f"max_tokens_per_mb={args.max_tokens_per_mb}; {args.threads} thread(s); "
+        f"medians of {args.repeats}"
     )
+    warm = make_trajectories(8, vocab, "longtail", seed=1, median=32, sigma=0.5)
+    for backend in backends.values():
+        train_step(backend, warm, **step_kw)
 
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for v in variants:
-        train_step(backends[v], warm, **step_kw)
-    for r in range(args.repeats):
-        for v in variants:
-            t0 = time.perf_counter()
-            train_step(backends[v], trajs, seed=r, **step_kw)
-            times[v].append(time.perf_counter() - t0)
-    tput = {v: n_tokens / statistics.median(times[v]) for v in variants}
-    print(f"{'variant':<8} {'tokens/s':>9}   step seconds")
-    for v in variants:
-        spread = ", ".join(f"{t:.2f}" for t in times[v])
-        print(f"{v:<8} {tput[v]:9.0f}   {spread}")
-    if "dense" in tput:
-        print(f"packed / dense: {tput['packed'] / tput['dense']:.2f}x")
-    print(f"packed / padded: {tput['packed'] / tput['padded']:.2f}x")
+    summary = {}
+    for geometry in args.lengths.split(","):
+        trajs = make_trajectories(
+            args.n_seqs, vocab, geometry, seed=0, median=args.median_len, sigma=args.sigma
+        )
+        lens = [len(t.prompt_ids) + len(t.output_ids) for t in trajs]
+        print(
+            f"\n{geometry}: {len(trajs)} sequences, {sum(lens)} tokens (lengths: min "
+            f"{min(lens)}, median {int(np.median(lens))}, max {max(lens)})"
+        )
+        summary[geometry] = time_geometry(backends, trajs, step_kw, args.repeats)
+
+    print(f"\n{'geometry':<10} {'packed':>8} {'padded':>8} {'packed/padded':>14} {'(CPU)':>7}")
+    for geometry, tput in summary.items():
+        ratio = {k: tput["packed"][k] / tput["padded"][k] for k in ("wall", "cpu")}
+        dense = f"  (dense {tput['dense']['wall']:.0f})" if "dense" in tput else ""
+        print(
+            f"{geometry:<10} {tput['packed']['wall']:8.0f} {tput['padded']['wall']:8.0f} "
+            f"{ratio['wall']:13.2f}x {ratio['cpu']:6.2f}x{dense}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """Packed attention without a [T, T] mask (areal/trainer/packed_attention.py): the packed
-forward equals per-sequence forwards, and no tensor of the packed stream's square exists."""
+forward equals per-sequence forwards, whether its sequences run in runs of equal lengths or
+in padded buckets, and no tensor of the packed stream's square exists."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from areal.models.tiny import make_tiny_model
+from areal.trainer import packed_attention
 from areal.trainer.batching import pack_sequences
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
 from areal.trainer.torch_backend import TorchBackend
@@ -134,3 +137,134 @@ def test_packed_forward_and_backward_build_nothing_of_size_t_squared(model_dir) 
     assert stream.shape == (n * (length - 1),)
     assert torch.isfinite(stream).all()
     assert largest.numel < length * length, largest.numel
+
+
+# ---- runs and padded buckets ----------------------------------------------------------
+
+RUNS_ONLY = packed_attention.AttentionCost(bucket=1e12)  # never pads
+BUCKETS = packed_attention.AttentionCost(call=1e12)  # pads as much as a bucket may hold
+
+
+def reference_attention(q, k, v, lens):
+    """Each sequence alone through stock causal SDPA: [1, H, T, D] -> [1, T, H, D]."""
+    gqa = q.shape[1] != k.shape[1]
+    parts = [
+        F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
+        for a, b, c in zip(q.split(lens, 2), k.split(lens, 2), v.split(lens, 2), strict=True)
+    ]
+    return torch.cat(parts, 2).transpose(1, 2)
+
+
+def qkv(lens, heads, kv_heads, dim=16, seed=0):
+    """q/k/v in transformers' layout: [1, T, H, D] in memory, seen as [1, H, T, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    return [
+        torch.randn(1, t, h, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
+    ]
+
+
+@pytest.mark.parametrize(
+    "lens",
+    [
+        [84, 83, 83, 82, 80, 80, 80, 79],  # near-equal, sorted as the trainer's micro-batches
+        [5, 300, 1, 40, 40, 41, 2, 2, 17, 90, 3],  # mixed, unsorted, 1-token ones
+        [57],  # a single sequence
+        [12, 0, 9, 9],  # an empty sequence holds no tokens
+    ],
+)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])  # MHA and GQA
+@pytest.mark.parametrize("cost", [BUCKETS, RUNS_ONLY, None], ids=["buckets", "runs", "model"])
+def test_runs_and_buckets_equal_each_sequence_alone(lens, heads, kv_heads, cost) -> None:
+    """Outputs and the gradients of q, k and v, whichever grouping the plan takes."""
+    weights = torch.randn(1, sum(lens), heads, 16, dtype=torch.float64)
+
+    def outputs_and_grads(attention):
+        q, k, v = qkv(lens, heads, kv_heads)
+        out = attention(*(x.transpose(1, 2) for x in (q, k, v)))
+        (out * weights).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    packed = outputs_and_grads(
+        lambda q, k, v: packed_attention.causal_attention_packed(q, k, v, lens, cost=cost)
+    )
+    alone = outputs_and_grads(lambda q, k, v: reference_attention(q, k, v, lens))
+    assert packed[0].shape == (1, sum(lens), heads, 16)
+    for got, want in zip(packed, alone, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_forced_buckets_pad_and_runs_stay_views() -> None:
+    lens = (9, 9, 7, 7, 7, 4, 1)
+    (bucket,) = packed_attention.plan_groups(lens, 1.0, BUCKETS, "cpu")
+    assert (bucket.n, bucket.length, bucket.n_tokens) == (7, 9, sum(lens))
+    # Each sequence's rows, then its padding pointing at its own first row.
+    assert bucket.index.view(7, 9)[2].tolist() == [18, 19, 20, 21, 22, 23, 24, 18, 18]
+    assert bucket.keep.tolist()[:11] == [*range(9), 9, 10]
+    assert len(bucket.keep) == sum(lens)
+    runs = packed_attention.plan_groups(lens, 1.0, RUNS_ONLY, "cpu")
+    assert [(g.n, g.length, g.index) for g in runs] == [
+        (2, 9, None),
+        (3, 7, None),
+        (1, 4, None),
+        (1, 1, None),
+    ]
+
+
+def test_the_cost_model_pads_short_sequences_and_not_long_near_equal_ones() -> None:
+    """The measured cases (the module's docstring): runs for 16 sequences of 80..88 tokens
+    and for a long-tailed micro-batch, buckets for 64 distinct lengths of 10..73."""
+    cost = packed_attention.COST
+
+    def n_buckets(lens: list[int]) -> int:
+        groups = packed_attention.plan_groups(tuple(lens), 1.0, cost, "cpu")
+        assert sum(g.n_tokens for g in groups) == sum(lens)
+        return sum(g.index is not None for g in groups)
+
+    assert n_buckets([88, 88, 87, 86, 86, 85, 84, 84, 84, 83, 82, 82, 81, 80, 80, 80]) == 0
+    assert n_buckets([1296, 700, 311, 250, 140, 90, 60, 45, 33]) == 0
+    assert n_buckets(list(range(73, 9, -1))) > 0
+    assert n_buckets([40] * 10) == 0  # one run: nothing to pad
+
+
+@pytest.mark.parametrize(
+    "cost, kinds",
+    [
+        # The tiny model's attention is narrow (4 heads x 16 dims: width 1/4), so the model's
+        # own cost pads the short neighbours and keeps the 120- and 7-token ones as runs.
+        (None, [True, True, False, False]),
+        (BUCKETS, [True]),  # all in one bucket padded to 120
+    ],
+    ids=["model", "buckets"],
+)
+def test_bucketed_logprobs_and_grads_equal_per_sequence_forwards(
+    model_dir, monkeypatch, cost, kinds
+) -> None:
+    """The whole model (GQA: 4 heads / 2 KV heads) through padded buckets."""
+    if cost is not None:
+        monkeypatch.setattr(packed_attention, "COST", cost)
+    backend = make_backend(model_dir)
+    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    config = backend.model.config
+    width = config.hidden_size / 256  # heads x head_dim / 256
+    lens = [61, 60, 60, 58, 33, 31, 2, 1, 1, 120, 7]
+    groups = packed_attention.plan_groups(tuple(lens), width, packed_attention.COST, "cpu")
+    assert [g.index is not None for g in groups] == kinds
+    seqs = random_seqs(config.vocab_size, lens, seed=4)
+    weights = torch.randn(sum(n - 1 for n in lens), generator=torch.Generator().manual_seed(5))
+
+    stream = backend.logprobs(seqs)
+    (stream * weights).sum().backward()
+    parts = []
+    for seq in seqs:
+        logits = ref_model(input_ids=torch.tensor([seq])).logits[0, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(seq[1:])[:, None])
+        parts.append(lp[:, 0])
+    ref = torch.cat(parts)
+    (ref * weights).sum().backward()
+
+    torch.testing.assert_close(stream, ref, atol=1e-5, rtol=0)
+    named_ref = dict(ref_model.named_parameters())
+    for name, p in backend.model.named_parameters():
+        torch.testing.assert_close(p.grad, named_ref[name].grad, atol=1e-5, rtol=1e-4, msg=name)

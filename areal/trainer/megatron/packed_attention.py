@@ -3,8 +3,8 @@
 Megatron's local DotProductAttention needs an explicit [T, T] mask and materialises
 [heads, T, T] scores; its THD packing needs TransformerEngine (GPU). This subclass takes
 the sequence boundaries as Megatron's own PackedSeqParams (cu_seqlens_q, in the "sbhd"
-layout the local spec uses) and runs causal SDPA once per sequence
-(areal.trainer.packed_attention): the cost of a micro-batch is sum(L_i^2), not T^2.
+layout the local spec uses) and runs causal SDPA per run of equal lengths or per padded
+bucket (areal.trainer.packed_attention): the cost of a micro-batch is ~sum(L_i^2), not T^2.
 Without PackedSeqParams it is DotProductAttention unchanged.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from areal.trainer.packed_attention import causal_attention_per_sequence
+from areal.trainer.packed_attention import causal_attention_packed
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -38,5 +38,5 @@ class PackedDotProductAttention(DotProductAttention):
         assert packed_seq_params.qkv_format == "sbhd" and query.shape[1] == 1
         lens = torch.diff(packed_seq_params.cu_seqlens_q).tolist()
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [1, heads, T, d]
-        out = causal_attention_per_sequence(q, k, v, lens, self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], 1, -1)
+        out = causal_attention_packed(q, k, v, lens, self.softmax_scale)  # [1, T, heads, d]
+        return out.reshape(query.shape[0], 1, -1)
