@@ -20,7 +20,7 @@ def test_a_tool_agent_calls_add_and_trains(tmp_path, example):
     """A short run: the model's tool calls come back parsed and the agent runs add (its
     episodes make a second call, which follows only a tool result), and the episodes train.
     150 warm-up steps (~30 s idle, one model for both tests) teach the call format, not the
-    operands (examples/add_tool.py): every episode calls add."""
+    operands (examples/add_tool.py): nearly every episode calls add."""
     pytest.importorskip(FRAMEWORKS[example])
     proc = run_train(
         tmp_path,
