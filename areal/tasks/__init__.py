@@ -5,7 +5,8 @@
         load_task(spec) --> Task
             .generate(dataset_cfg, seed) | .from_record(record)  -> rows (areal.data.dataset)
             .is_correct(response, answer, **.grader_options(cfg.reward))  (reward service pool)
-            .warmup(dataset_cfg, seed)  -> the tiny model's supervised batches (models/tiny.py)
+            .warmup(dataset_cfg, seed)  -> the tiny model's supervised batches (models/tiny.py):
+                (prompt, answer) pairs, or agent episodes: the chat calls an agent makes
 
 A row is {"prompt", "answer", "task"}: "task" is the spec it was loaded under, so the reward
 service (which gets it with every request) loads the same task in its pool processes. A new
@@ -31,8 +32,25 @@ from areal.config import ConfigError
 SPEC = re.compile(r"[\w.]+:[\w.]+")
 """A task of one's own: "package.module:object"."""
 
-Batch = list[tuple[str, str]]
-"""(prompt, worked answer) pairs of one supervised warm-up step."""
+
+@dataclass(frozen=True)
+class ChatCall:
+    """One call of an agent as the OpenAI endpoint receives it, and what the model should
+    answer: a warm-up example rendered exactly as the endpoint renders the call."""
+
+    messages: list[dict]
+    """The conversation in OpenAI's wire shapes (assistant tool_calls' arguments as JSON
+    strings, tool results as role "tool"), as an agent framework sends it."""
+    tools: list[dict] | None
+    """The request's tools, exactly as sent (the chat template writes them into the prompt)."""
+    response: str
+    """The text the model should write (a tool call in its family's format, or an answer);
+    the end-of-turn token follows."""
+
+
+Batch = list[tuple[str, str] | list[ChatCall]]
+"""One supervised warm-up step: (prompt, worked answer) pairs, or episodes (the calls of one
+agent episode, in order)."""
 
 
 def _no_options(reward_cfg: Any) -> dict:

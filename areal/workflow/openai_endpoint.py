@@ -20,7 +20,10 @@ text into `tool_calls` (tool_parsers.py). `tool_choice`: "none" returns text unp
 "required" and a named function are not forced by constrained decoding (a grammar would
 change the sampling distribution the trainer's log-probs assume): the model sees the tools
 as under "auto", only the named function counts as a call, and anything else returns as
-text for the agent to handle. `parallel_tool_calls: false` keeps the first call only.
+text for the agent to handle. `parallel_tool_calls: false` keeps the first call only. A
+function's `"strict": true` (the OpenAI Agents SDK's default) is likewise not enforced: the
+tool is rendered as sent, and arguments that miss the schema reach the agent's framework,
+which validates them (examples/add_tool.py).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models; POST
 /v1/responses (the Responses API, the OpenAI Agents SDK's default) answers 404 saying to
@@ -453,30 +456,40 @@ class OpenAIEndpoint:
         """The chat template's ids of the conversation (tools: a chat request's), or the
         completion's prompt."""
         if tools is not None:
-            if tools.tools and "tools" not in str(self.tokenizer.chat_template or ""):
-                raise BadRequest(
-                    "the model's chat template does not render tools, so the model would "
-                    "never see them: use a model whose template has tools (Qwen2.5, Qwen3, "
-                    "the tiny model) or describe the tools in the prompt"
-                )
-            try:
-                ids = self.tokenizer.apply_chat_template(
-                    chat_messages(body),
-                    tools=tools.tools,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                )
-            except BadRequest:
-                raise
-            except Exception as e:  # the template refused the conversation
-                raise BadRequest(f"the chat template failed on these messages: {e}") from e
+            return chat_input_ids(self.tokenizer, body.get("messages"), tools.tools)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            ids = prompt  # token ids, used as they are
+        elif isinstance(prompt, str) and prompt:
+            ids = self.tokenizer(prompt)["input_ids"]
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-                ids = prompt  # token ids, used as they are
-            elif isinstance(prompt, str) and prompt:
-                ids = self.tokenizer(prompt)["input_ids"]
-            else:
-                raise BadRequest("prompt must be a non-empty string or list of token ids")
+            raise BadRequest("prompt must be a non-empty string or list of token ids")
         return [int(t) for t in ids]
+
+
+def chat_input_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: Any, tools: list[dict] | None
+) -> list[int]:
+    """The input ids of a chat request (messages in OpenAI's wire shapes, tools as sent),
+    ending where the assistant speaks; BadRequest when the template cannot render it. The
+    tiny model's warm-up renders its conversations here too (models/tiny.py), so that it
+    trains on exactly the tokens an agent's calls become."""
+    if tools and "tools" not in str(tokenizer.chat_template or ""):
+        raise BadRequest(
+            "the model's chat template does not render tools, so the model would "
+            "never see them: use a model whose template has tools (Qwen2.5, Qwen3, "
+            "the tiny model) or describe the tools in the prompt"
+        )
+    try:
+        ids = tokenizer.apply_chat_template(
+            chat_messages({"messages": messages}),
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    except BadRequest:
+        raise
+    except Exception as e:  # the template refused the conversation
+        raise BadRequest(f"the chat template failed on these messages: {e}") from e
+    return [int(t) for t in ids]
