@@ -59,11 +59,8 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
         worker.client, cfg.inference.startup_timeout_s, server_log_path(cfg.exp_dir, index)
     )
     server = RpcServer(key)
-    server.register("generate", worker.generate)
-    server.register("update_weights", worker.update_weights)
-    server.register("stats", worker.stats)
-    server.register("wait_ready", worker.wait_ready)
-    server.register("abandon", worker.abandon)
+    for name in RolloutWorker.RPC_METHODS:
+        server.register(name, getattr(worker, name))
     registry.register("rollout", index, server.address)
     try:
         await _serve_until_stopped(server)

@@ -46,7 +46,7 @@ async def per_call(url: str, tokenizer, calls: int, max_tokens: int) -> dict[str
 
     worker = RolloutWorker(url)
     server = RpcServer(KEY, host="127.0.0.1")
-    for name in ("generate", "update_weights", "stats", "wait_ready", "abandon"):
+    for name in RolloutWorker.RPC_METHODS:
         server.register(name, getattr(worker, name))
     serving = asyncio.create_task(server.serve())
     rpc = RpcClient(server.address, KEY)

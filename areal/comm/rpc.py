@@ -13,12 +13,14 @@ handler never holds up the others, and many calls share one client socket, match
 | RpcServer.serve      | a request frame          | any client's call; close()        |
 | RpcClient.call       | its reply future         | _receive; its timeout; close()    |
 | RpcClient._receive   | a reply frame            | the server's reply; close()       |
+| a call_soon task     | its call                 | as RpcClient.call                 |
 | SyncRpcClient.call   | poll on its socket       | the reply; its timeout            |
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -159,6 +161,7 @@ class RpcClient(_Endpoint):
         self._ids = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
         self._receiver: asyncio.Task | None = None
+        self._soon: set[asyncio.Task] = set()  # held: asyncio keeps only weak references
         self._closed = False
 
     async def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
@@ -178,6 +181,20 @@ class RpcClient(_Endpoint):
             raise RpcTimeout(msg) from None
         finally:
             self._pending.pop(rid, None)
+
+    def call_soon(self, method: str, timeout: float, **args: Any) -> None:
+        """Call `method(**args)` without waiting for it: for notices whose reply nobody
+        reads. A failure is logged, never raised; close() cancels the calls still waiting."""
+        task = asyncio.create_task(self.call(method, timeout=timeout, **args))
+        self._soon.add(task)
+        task.add_done_callback(functools.partial(self._soon_done, method))
+
+    def _soon_done(self, method: str, task: asyncio.Task) -> None:
+        self._soon.discard(task)
+        # After close() a call ends cancelled, or failed "client closed" where wait_for
+        # (before 3.12) turns the cancel into its future's result: either way, not news.
+        if not task.cancelled() and task.exception() is not None and not self._closed:
+            log.warning("%r on %s failed: %s", method, self.address, task.exception())
 
     async def _receive(self) -> None:
         try:
@@ -200,10 +217,13 @@ class RpcClient(_Endpoint):
         self._pending.clear()
 
     def close(self) -> None:
-        """Close the socket and fail every call still waiting with RpcError."""
+        """Close the socket, fail every call still waiting with RpcError, and cancel the
+        call_soon calls still waiting."""
         self._closed = True
         if self._receiver is not None:
             self._receiver.cancel()
+        for task in list(self._soon):
+            task.cancel()
         self._fail_pending(RpcError("client closed"))
         self._sock.close(linger=0)
 

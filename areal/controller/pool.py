@@ -49,7 +49,6 @@ class WorkerPool:
         """Notified when a worker comes back."""
         self._watchers: dict[int, asyncio.Task] = {}  # dead worker -> waiting for it to be back
         self._resubmitted = 0  # samples resumed on another worker, since the last stats()
-        self._abandons: set[asyncio.Task] = set()  # held: asyncio keeps weak references
 
     async def generate(
         self, group_id: int, start_version: int, prompt_ids: list[int], n: int, sampling: dict
@@ -78,7 +77,8 @@ class WorkerPool:
                 )
             except asyncio.CancelledError:
                 # Nobody will read these samples: free the server's slots for work that counts.
-                self._abandon(k, call_id)
+                # Not waited for: if it fails they finish on their own; only server time is lost.
+                self.workers[k].call_soon("abandon", _ABANDON_TIMEOUT_S, call_id=call_id)
                 raise
             finally:
                 self.router.load[k] -= 1
@@ -89,17 +89,6 @@ class WorkerPool:
                 return done
             self._server_down(k)
             self._resubmitted += len(partial)
-
-    def _abandon(self, k: int, call_id: str) -> None:
-        async def abandon() -> None:
-            try:
-                await self.workers[k].call("abandon", timeout=_ABANDON_TIMEOUT_S, call_id=call_id)
-            except Exception as e:  # the samples finish on their own; only server time is lost
-                log.warning("could not abandon call %s on worker %d: %s", call_id, k, e)
-
-        task = asyncio.create_task(abandon())
-        self._abandons.add(task)
-        task.add_done_callback(self._abandons.discard)
 
     async def update_weights(self, version: int, path: str) -> None:
         """Load `version` on every worker; a dead one loads the newest before it serves
@@ -137,7 +126,7 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop waiting for dead workers (the run ends)."""
-        for task in [*self._watchers.values(), *self._abandons]:
+        for task in self._watchers.values():
             task.cancel()
 
     def _server_down(self, k: int) -> None:

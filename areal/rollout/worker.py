@@ -60,6 +60,9 @@ class ServerDown(Exception):
 
 
 class RolloutWorker:
+    RPC_METHODS: tuple[str, ...] = ("generate", "update_weights", "stats", "wait_ready", "abandon")
+    """The methods the controller calls over RPC, each served under its own name."""
+
     def __init__(
         self,
         server_url: str,

@@ -191,14 +191,12 @@ class AgentHosts:
 
     def __init__(self, spec: str, n: int, base_url: str, timeout_s: float):
         self.spec = spec
-        self.n = n
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.procs: list[_Process | None] = [None] * n
         self.changed = asyncio.Condition()
         """Notified when a process (re)starts."""
         self._closing = False
-        self._cancels: set[asyncio.Task] = set()
         self.restarts = 0
         """Processes started again after dying, since the workflow's last stats()."""
 
@@ -206,7 +204,7 @@ class AgentHosts:
         """Start every process; RuntimeError (with its exit status) if one cannot start
         (the others are then stopped by close(), which the workflow's aclose calls)."""
         results = await asyncio.gather(
-            *(self._start(k) for k in range(self.n)), return_exceptions=True
+            *(self._start(k) for k in range(len(self.procs))), return_exceptions=True
         )
         for error in results:
             if isinstance(error, BaseException):
@@ -221,7 +219,9 @@ class AgentHosts:
         try:
             reply = await p.rpc.call("episode", id=token, data=data, token=token)
         except asyncio.CancelledError:
-            self._cancel(p, token)  # its calls are refused from now on; stop the agent too
+            # Its calls are refused from now on; stop the agent too (if the cancel is lost,
+            # its calls fail anyway: the session is closed).
+            p.rpc.call_soon("cancel", _CANCEL_TIMEOUT_S, id=token)
             raise
         except RpcError as e:
             raise EpisodeError(p.died or f"the agent process failed: {e}") from e
@@ -238,8 +238,6 @@ class AgentHosts:
             if p.proc.returncode is None:
                 p.proc.kill()
             await p.proc.wait()
-        for task in self._cancels:
-            task.cancel()
 
     async def _start(self, k: int) -> None:
         key = secrets.token_bytes(32)
@@ -293,17 +291,6 @@ class AgentHosts:
                 return
             except RuntimeError as e:
                 log.warning("%s; trying again", e)
-
-    def _cancel(self, p: _Process, id: str) -> None:
-        async def cancel() -> None:
-            try:
-                await p.rpc.call("cancel", timeout=_CANCEL_TIMEOUT_S, id=id)
-            except Exception as e:  # its calls fail anyway: the session is closed
-                log.warning("could not cancel an agent episode: %s", e)
-
-        task = asyncio.create_task(cancel())
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from areal.workflow.agent import AgentWorkflow
 from areal.workflow.api import RolloutEngine
 from areal.workflow.openai_endpoint import chat_messages
 from tests.system.conftest import SHARED_MODELS_ENV, copy_weights, embedded_server, ref_logprobs
+from tests.unit.test_tool_parsers import ADD as ADD_TOOL
 
 pytest.importorskip("openai")
 
@@ -89,7 +90,7 @@ class Served:
     def __init__(self, url: str):
         self.worker = RolloutWorker(url)
         self.server = RpcServer(KEY, host="127.0.0.1")
-        for name in ("generate", "update_weights", "stats", "wait_ready", "abandon"):
+        for name in RolloutWorker.RPC_METHODS:
             self.server.register(name, getattr(self.worker, name))
         self.task = asyncio.create_task(self.server.serve())
         self.client = RpcClient(self.server.address, KEY)
@@ -391,18 +392,6 @@ def test_failed_episodes_free_the_gate_and_their_prompt_comes_back(
         assert workflow_stats["episode/agent_restarts"] >= 1
 
 
-ADD_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "a + b",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
 # What the model writes in each call of the episode (Qwen's tool-call format): two calls at
 # once, then one more, then the answer.
 SCRIPT = [

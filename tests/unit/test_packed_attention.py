@@ -40,6 +40,16 @@ def random_seqs(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(vocab, (n,), generator=gen).tolist() for n in lens]
 
 
+def per_sequence_logprobs(model, seqs: list[list[int]]) -> torch.Tensor:
+    """The reference stream: each token's log-prob after the first, one sequence per forward."""
+    parts = []
+    for seq in seqs:
+        logits = model(input_ids=torch.tensor([seq])).logits[0, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(seq[1:])[:, None])
+        parts.append(lp[:, 0])
+    return torch.cat(parts)
+
+
 def test_packed_logprobs_and_grads_equal_per_sequence_forwards(model_dir) -> None:
     backend = make_backend(model_dir)
     assert backend.model.config._attn_implementation == ATTN_IMPLEMENTATION
@@ -53,12 +63,7 @@ def test_packed_logprobs_and_grads_equal_per_sequence_forwards(model_dir) -> Non
     stream = backend.logprobs(seqs)
     (stream * weights).sum().backward()
 
-    parts = []
-    for seq in seqs:
-        logits = ref_model(input_ids=torch.tensor([seq])).logits[0, :-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(seq[1:])[:, None])
-        parts.append(lp[:, 0])
-    ref = torch.cat(parts)
+    ref = per_sequence_logprobs(ref_model, seqs)
     (ref * weights).sum().backward()
 
     assert stream.shape == ref.shape
@@ -256,12 +261,7 @@ def test_bucketed_logprobs_and_grads_equal_per_sequence_forwards(
 
     stream = backend.logprobs(seqs)
     (stream * weights).sum().backward()
-    parts = []
-    for seq in seqs:
-        logits = ref_model(input_ids=torch.tensor([seq])).logits[0, :-1]
-        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(seq[1:])[:, None])
-        parts.append(lp[:, 0])
-    ref = torch.cat(parts)
+    ref = per_sequence_logprobs(ref_model, seqs)
     (ref * weights).sum().backward()
 
     torch.testing.assert_close(stream, ref, atol=1e-5, rtol=0)

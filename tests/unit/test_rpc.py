@@ -152,6 +152,43 @@ def test_close_fails_pending_calls() -> None:
     asyncio.run(main())
 
 
+def test_call_soon_reaches_the_server_logs_failures_and_close_cancels_it(caplog) -> None:
+    """Fire and forget: the call arrives; a failure or a timeout is logged, never raised;
+    close() cancels one still waiting for its reply, quietly."""
+    caplog.set_level(logging.WARNING, logger="areal.comm")
+
+    async def main():
+        received: asyncio.Queue = asyncio.Queue()
+
+        async def note(x: int) -> None:
+            received.put_nowait(x)
+
+        async with serving(note=note, fail=fail, slow=slow) as (server, client):
+            assert client.call_soon("note", timeout=1, x=7) is None
+            assert await asyncio.wait_for(received.get(), 1) == 7
+            client.call_soon("fail", timeout=1, msg="bad input 42")
+            client.call_soon("slow", timeout=0.05, delay=1)
+            deadline = time.monotonic() + 2
+            while client._soon and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert not client._soon  # each task let go once done
+            client.call_soon("slow", timeout=5, delay=5)
+            await asyncio.sleep(0.05)  # sent: waiting for its reply
+            (waiting,) = client._soon
+            client.call_soon("slow", timeout=5, delay=5)  # not sent yet
+            (unsent,) = client._soon - {waiting}
+            client.close()
+            await asyncio.wait_for(asyncio.gather(waiting, unsent, return_exceptions=True), 1)
+            assert unsent.cancelled() and not client._soon
+            return server.address
+
+    address = asyncio.run(main())
+    logged = [r.getMessage() for r in caplog.records if f" on {address} failed" in r.getMessage()]
+    assert len(logged) == 2, logged  # the calls that close() ended say nothing
+    assert any("'fail'" in m and "ValueError: bad input 42" in m for m in logged)
+    assert any("'slow'" in m and "no reply" in m for m in logged)
+
+
 def test_forged_and_corrupted_frames_are_dropped_logged_and_counted(caplog) -> None:
     caplog.set_level(logging.WARNING, logger="areal.comm")
 
