@@ -1,20 +1,43 @@
-"""The whole system against TRL's synchronous GRPOTrainer, same model, data and geometry.
+"""The whole system against TRL's synchronous GRPOTrainer, same model, data and geometry,
+and both against the machine's limit.
 
     pip install -c constraints.txt trl     # constraints.txt: torch==2.13.0+cpu (keeps torch)
-    python benchmarks/vs_trl.py [--shapes 145k,4m] [--steps 30] [--repeats 1]
+    python benchmarks/vs_trl.py [--geometries 145k:32:8:8,4m:128:8:8,4m:64:16:4]
+        [--steps 30] [--repeats 1] [--etas 0,4] [--limit-steps 3] [--skip-trl]
 
-Both train the same random-initialised Qwen2 (the tiny tokenizer; shapes as in
-benchmarks/engine.py: 145k with 32 new tokens, 4m with 128) on the tiny task's sums (same
-prompts, same grader), 8 prompts x 8 samples per step, one optimizer step per step
-(areal: ppo.n_minibatches=1), temperature 1, no KL term, learning rate 1e-3.
+A geometry is shape:new:prompts:group: the model shape of benchmarks/engine.py (145k:
+hidden 64, 2 layers; 4m: hidden 256, intermediate 1024, 4 layers), the new tokens per
+answer, prompts per step and samples per prompt. The default is the three of issue 28.
+Both sides train the same random-initialised Qwen2 (the tiny tokenizer) on the tiny task's
+sums (same prompts, same grader), one optimizer step per step (areal: ppo.n_minibatches=1,
+trainer.batch_size=prompts, rollout.group_size=group; TRL: per_device_train_batch_size=
+prompts x group, num_generations=group), temperature 1, no KL term, learning rate 1e-3.
 
 Effective training throughput, counted the same way for all: completion tokens that enter
 the update per second of wall time, over the steps after warm-up (the first fifth left
 out; tiny_run.effective_throughput). TRL: its own per-step log (completions/mean_length
-x 64) and wall clock at each step's end; areal: metrics.jsonl (train/n_tokens, time).
-Each variant is its own process on the same 2 cores (TRL with torch's default threads;
-areal's roles split the cores, inference.num_threads / trainer.num_threads = 0). Prints
-the table and the ratios areal/TRL at eta=0 and eta=4; with --repeats > 1, medians.
+x prompts x group) and wall clock at each step's end; areal: metrics.jsonl
+(train/n_tokens, time), at each eta of --etas. Each variant is its own process on the same
+cores (TRL with torch's default threads; areal's roles split the cores,
+inference.num_threads / trainer.num_threads = 0).
+
+The machine's limit: on C cores (C = the process's CPU affinity) a step cannot take less
+than (core-seconds of generation + core-seconds of training) / C. Both are measured in a
+process of their own with torch on one thread: generation by areal's engine alone
+(areal.rollout.engine.DecodeEngine in process, as the server builds it), the step's
+prompts x group requests made from the run's task prompts and tokenizer (chat template),
+temperature 1, max_new_tokens = the geometry's new tokens, all submitted at once; training
+by areal's trainer alone on that batch: make_backend and train_step with the trainer's own
+arguments for the run's config (trainer/worker.py's _step_args; with one minibatch and no
+behaviour-weight cap the update's forward gives the proximal log-probs, so there is no
+separate proximal pass), mb_spec max_tokens_per_mb=8192. Core-seconds are the process's
+CPU time; medians of --limit-steps steps after one warm-up. Limit tok/s = completion
+tokens per step / ((gen + train core-seconds) / C).
+
+Prints a line per repeat (the variants interleaved, so all see the same machine), then the
+table: TRL, areal at each eta and the limit in tok/s, the fraction of the limit each
+reaches, and the ratios areal/TRL; with --repeats > 1, medians. --skip-trl measures areal
+and the limit without TRL installed.
 
 TRL is a benchmark dependency only: nothing in areal imports it.
 """
@@ -22,17 +45,39 @@ TRL is a benchmark dependency only: nothing in areal imports it.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine import SHAPES  # the same model shapes and new-token counts
-from tiny_run import effective_throughput, train_tiny
+from engine import SHAPES  # the same model shapes
+from tiny_run import TINY, effective_throughput, train_tiny
 
-PROMPTS, GROUP, LR, MAX_OPERAND = 8, 8, 1e-3, 5
+LR, MAX_OPERAND = 1e-3, 5
+GEOMETRIES = "145k:32:8:8,4m:128:8:8,4m:64:16:4"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    shape: str
+    new: int  # new tokens per answer
+    prompts: int  # prompts per step
+    group: int  # samples per prompt
+
+    @classmethod
+    def parse(cls, text: str) -> Geometry:
+        shape, new, prompts, group = text.split(":")
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r} in {text!r}: one of {', '.join(SHAPES)}")
+        return cls(shape, int(new), int(prompts), int(group))
+
+    def __str__(self) -> str:
+        return f"{self.shape}:{self.new}:{self.prompts}:{self.group}"
 
 
 def make_model(shape: str, out: Path) -> Path:
@@ -53,31 +98,49 @@ def make_model(shape: str, out: Path) -> Path:
     return out
 
 
-def run_areal(model: Path, new: int, eta: int, steps: int, root: str, name: str) -> float:
-    overrides = [
-        f"model.path={model}", f"max_staleness={eta}", f"rollout.max_new_tokens={new}",
-        f"rollout.group_size={GROUP}", f"trainer.batch_size={PROMPTS}",
+def areal_overrides(model: Path | str, geo: Geometry, eta: int) -> list[str]:
+    return [
+        f"model.path={model}", f"max_staleness={eta}", f"rollout.max_new_tokens={geo.new}",
+        f"rollout.group_size={geo.group}", f"trainer.batch_size={geo.prompts}",
         f"dataset.max_operand={MAX_OPERAND}", "ppo.n_minibatches=1", f"trainer.lr={LR}",
         "trainer.warmup_steps_ratio=0", "trainer.mb_spec.max_tokens_per_mb=8192",
     ]  # fmt: skip
-    return effective_throughput(train_tiny(root, name, steps, overrides))
 
 
-def run_trl(model: Path, new: int, steps: int, out: str) -> float:
-    """In its own process: `python vs_trl.py --trl-worker ...` prints the throughput."""
-    cmd = [sys.executable, __file__, "--trl-worker", str(model), str(new), str(steps), out]
-    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return float(proc.stdout.strip().splitlines()[-1])
+def run_areal(model: Path, geo: Geometry, eta: int, steps: int, root: str, name: str) -> float:
+    return effective_throughput(train_tiny(root, name, steps, areal_overrides(model, geo, eta)))
 
 
-def trl_worker(model: str, new: int, steps: int, out: str) -> None:
+def worker(*args: str) -> str:
+    """`python vs_trl.py --WHAT-worker ARGS...` in its own process; its last line of output."""
+    cmd = [sys.executable, __file__, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def run_trl(model: Path, geo: Geometry, steps: int, out: str) -> float:
+    return float(worker("--trl-worker", str(model), str(geo), str(steps), out))
+
+
+def run_limit(model: Path, geo: Geometry, steps: int) -> dict[str, float]:
+    """{"gen_s", "train_s" (core-seconds), "tokens"} per step, medians."""
+    return json.loads(worker("--limit-worker", str(model), str(geo), str(steps)))
+
+
+def trl_worker(model: str, geo: Geometry, steps: int, out: str) -> None:
+    # This script's folder leaves the import path: its vllm.py would pass for vLLM in
+    # TRL's availability check (and fail it: no version).
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from areal.tasks.arith import is_correct, make_problems
 
-    rows = make_problems(PROMPTS * (steps + 2), MAX_OPERAND, seed=1)
+    rows = make_problems(geo.prompts * (steps + 2), MAX_OPERAND, seed=1)
     data = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
          for r in rows]
@@ -94,9 +157,10 @@ def trl_worker(model: str, new: int, steps: int, out: str) -> None:
             if logs and "completions/mean_length" in logs:
                 marks.append((time.perf_counter(), logs["completions/mean_length"]))
 
+    batch = geo.prompts * geo.group
     config = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-        max_completion_length=new, learning_rate=LR, beta=0.0, temperature=1.0,
+        output_dir=out, per_device_train_batch_size=batch, num_generations=geo.group,
+        max_completion_length=geo.new, learning_rate=LR, beta=0.0, temperature=1.0,
         logging_steps=1, max_steps=steps, report_to="none", save_strategy="no", use_cpu=True,
         lr_scheduler_type="constant", warmup_steps=0, disable_tqdm=True, seed=1,
     )  # fmt: skip
@@ -106,43 +170,141 @@ def trl_worker(model: str, new: int, steps: int, out: str) -> None:
         reward_funcs=reward, args=config, train_dataset=data, callbacks=[Clock()],
     )  # fmt: skip
     trainer.train()
-    steps = [{"time": t, "train/n_tokens": length * PROMPTS * GROUP} for t, length in marks]
+    steps = [{"time": t, "train/n_tokens": length * batch} for t, length in marks]
     print(effective_throughput(steps))
 
 
+def limit_worker(model: str, geo: Geometry, steps: int) -> None:
+    """One thread: the engine generates a step's batch, the trainer trains on it; prints
+    the medians of --limit-steps steps after one warm-up, as JSON."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from areal.config import load_config
+    from areal.data.dataset import load_rows, tokenize_rows
+    from areal.rollout.engine import DecodeEngine, SamplingParams
+    from areal.tasks import load_task
+    from areal.trainer.backend import make_backend
+    from areal.trainer.parallel import DataParallel
+    from areal.trainer.step import train_step
+    from areal.trainer.worker import _step_args
+    from areal.trajectory import Trajectory
+
+    torch.set_num_threads(1)
+    overrides = [*areal_overrides(model, geo, 0), f"total_train_steps={steps + 1}"]
+    cfg = load_config(str(TINY), overrides)
+    torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
+    task = load_task(cfg.dataset.type)
+    inf = cfg.inference
+    engine = DecodeEngine(
+        model, max_batch_size=inf.max_batch_size, max_total_tokens=inf.max_total_tokens,
+        seed=cfg.seed, num_threads=1,
+    )  # fmt: skip
+    backend, dp = make_backend(cfg, model, DataParallel())
+    params = SamplingParams(max_new_tokens=geo.new, temperature=cfg.rollout.temperature)
+    gen_s, train_s, tokens = [], [], []
+    for step in range(steps + 1):  # step 0: warm-up
+        batch = rows[step * geo.prompts : (step + 1) * geo.prompts]
+        c0 = time.process_time()
+        futures = [
+            (p, row, engine.submit(f"{step}-{p}-{g}", row["prompt_ids"], params))
+            for p, row in enumerate(batch)
+            for g in range(geo.group)
+        ]
+        results = [(p, row, f.result(timeout=600)) for p, row, f in futures]
+        c1 = time.process_time()
+        trajs = []
+        for p, row, r in results:
+            text = tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            correct = task.is_correct(text, row["answer"])
+            trajs.append(
+                Trajectory(
+                    group_id=step * geo.prompts + p, prompt_ids=r.prompt_ids,
+                    output_ids=r.output_ids, logprobs=r.logprobs,
+                    versions=[r.weight_version] * len(r.output_ids),
+                    finish_reason=r.finish_reason["type"],
+                    reward=cfg.reward.correct if correct else cfg.reward.wrong,
+                )
+            )  # fmt: skip
+        c2 = time.process_time()
+        train_step(backend, trajs, dp=dp, **_step_args(cfg, step))
+        c3 = time.process_time()
+        if step:
+            gen_s.append(c1 - c0)
+            train_s.append(c3 - c2)
+            tokens.append(sum(t.n_generated for t in trajs))
+    engine.shutdown()
+    result = {"gen_s": gen_s, "train_s": train_s, "tokens": tokens}
+    print(json.dumps({k: statistics.median(v) for k, v in result.items()}))
+
+
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        model, new, steps, out = sys.argv[2:6]
-        trl_worker(model, int(new), int(steps), out)
+    if len(sys.argv) > 1 and sys.argv[1] in ("--trl-worker", "--limit-worker"):
+        model, geo, steps, *rest = sys.argv[2:]
+        geo = Geometry.parse(geo)
+        if sys.argv[1] == "--trl-worker":
+            trl_worker(model, geo, int(steps), rest[0])
+        else:
+            limit_worker(model, geo, int(steps))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default="145k,4m")
+    parser.add_argument(
+        "--geometries", default=GEOMETRIES, help="shape:new:prompts:group, comma-separated"
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--etas", default="0,4", help="areal's max_staleness, comma-separated")
+    parser.add_argument("--limit-steps", type=int, default=3, help="after one warm-up step")
+    parser.add_argument("--skip-trl", action="store_true", help="areal and the limit only")
     args = parser.parse_args()
+    geometries = [Geometry.parse(g) for g in args.geometries.split(",")]
+    etas = [int(e) for e in args.etas.split(",")]
+    cores = len(os.sched_getaffinity(0))
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        for shape in args.shapes.split(","):
-            new = SHAPES[shape][1]
-            model = make_model(shape, Path(root) / f"model-{shape}")
-            res: dict[str, list[float]] = {"trl": [], "eta=0": [], "eta=4": []}
+        models: dict[str, Path] = {}
+        for geo in geometries:
+            if geo.shape not in models:
+                models[geo.shape] = make_model(geo.shape, Path(root) / f"model-{geo.shape}")
+            model = models[geo.shape]
+            res: dict[str, list[float]] = {"trl": [], **{f"eta={e}": [] for e in etas}, "limit": []}
             for r in range(args.repeats):  # interleaved: all see the same machine
-                tag = f"{shape}-{r}"
-                res["trl"].append(run_trl(model, new, args.steps, f"{root}/trl-{tag}"))
-                for eta in (0, 4):
+                tag = f"{geo.shape}-{geo.new}-{geo.prompts}x{geo.group}-{r}"
+                if not args.skip_trl:
+                    res["trl"].append(run_trl(model, geo, args.steps, f"{root}/trl-{tag}"))
+                for eta in etas:
                     res[f"eta={eta}"].append(
-                        run_areal(model, new, eta, args.steps, root, f"{tag}-eta{eta}")
+                        run_areal(model, geo, eta, args.steps, root, f"{tag}-eta{eta}")
                     )
-                print(f"  {shape} repeat {r}: " + ", ".join(
-                    f"{k} {v[-1]:.0f} tok/s" for k, v in res.items()), flush=True)  # fmt: skip
-            rows.append((shape, new, {k: statistics.median(v) for k, v in res.items()}))
-    print(f"{'shape':>6} {'new':>4} {'TRL tok/s':>10} {'areal eta=0':>12} {'areal eta=4':>12} "
-          f"{'eta=0/TRL':>10} {'eta=4/TRL':>10}")  # fmt: skip
-    for shape, new, m in rows:
-        print(
-            f"{shape:>6} {new:>4} {m['trl']:>10.0f} {m['eta=0']:>12.0f} {m['eta=4']:>12.0f} "
-            f"{m['eta=0'] / m['trl']:>9.2f}x {m['eta=4'] / m['trl']:>9.2f}x"
-        )
+                lim = run_limit(model, geo, args.limit_steps)
+                res["limit"].append(lim["tokens"] / ((lim["gen_s"] + lim["train_s"]) / cores))
+                print(
+                    f"  {geo} repeat {r}: "
+                    + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in res.items() if v)
+                    + f" (one thread: generation {lim['gen_s']:.2f} + training "
+                    f"{lim['train_s']:.2f} core-s for {lim['tokens']:.0f} tokens, {cores} cores)",
+                    flush=True,
+                )
+            rows.append((geo, {k: statistics.median(v) if v else None for k, v in res.items()}))
+    print_table(rows, etas, cores)
+
+
+def print_table(rows: list, etas: list[int], cores: int) -> None:
+    """tok/s of TRL, areal at each eta and the limit; fractions of the limit; areal/TRL."""
+    names = [f"eta={e}" for e in etas]
+    cols = [("TRL tok/s", "{:.0f}", lambda m: m["trl"])]
+    cols += [(f"areal {n}", "{:.0f}", lambda m, n=n: m[n]) for n in names]
+    cols += [("limit tok/s", "{:.0f}", lambda m: m["limit"])]
+    cols += [("TRL/limit", "{:.2f}", lambda m: m["trl"] and m["trl"] / m["limit"])]
+    cols += [(f"{n}/limit", "{:.2f}", lambda m, n=n: m[n] / m["limit"]) for n in names]
+    cols += [(f"{n}/TRL", "{:.2f}x", lambda m, n=n: m["trl"] and m[n] / m["trl"]) for n in names]
+    print(f"{cores} cores; limit = completion tokens / ((generation + training core-s) / cores)")
+    print(f"{'geometry':<14}" + "".join(f" {name:>12}" for name, _, _ in cols))
+    for geo, m in rows:
+        cells = ["-" if (v := get(m)) is None else spec.format(v) for _, spec, get in cols]
+        print(f"{str(geo):<14}" + "".join(f" {c:>12}" for c in cells))
 
 
 if __name__ == "__main__":
