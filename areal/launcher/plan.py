@@ -14,13 +14,14 @@ everything. With GPUs every training GPU is a rank, and dp = training GPUs / (tp
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from areal.config import ConfigError, ExperimentConfig
-
-CPU_SHARE_ENV = "AREAL_CPU_SHARE"
-"""Set on the CPU steps that compute (servers, trainer ranks): how many share the node's cores."""
+from areal.cores import CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV
 
 
 @dataclass(frozen=True)
@@ -112,13 +113,21 @@ def make_plan(
         n_inf = n_train = 0
     # CPU servers and trainer ranks split their node's cores (a GPU step computes on its GPU).
     sharing = [node for node, gpus, _ in (*inference, *trainers) if not gpus]
-    # At max_staleness=0 the servers wait for every new version while the trainer trains,
-    # so the trainer ranks split the cores among themselves alone (on a 2-core laptop the
-    # 4M-parameter run of benchmarks/vs_trl.py: 1.74k tok/s against 1.23k with one each).
     training = [node for node, gpus, _ in trainers if not gpus]
+    # A waiting role lends its share to those with work (areal/cores.py). vLLM's threads
+    # are its own, so beside a CPU vLLM server the split stays fixed.
+    lend = cfg.launcher.lend_idle_cores and cfg.inference.backend == "embedded"
+    slots: dict[str, int] = {}
 
     def share(node: str, gpus: int, among: list[str]) -> dict[str, str]:
-        return {} if gpus else {CPU_SHARE_ENV: str(among.count(node))}
+        if gpus:
+            return {}
+        env = {CPU_SHARE_ENV: str(among.count(node))}
+        if lend:
+            env[CPU_LEDGER_ENV] = ledger_path(cfg)
+            env[CPU_SLOT_ENV] = str(slots.setdefault(node, 0))
+            slots[node] += 1
+        return env
 
     steps: list[Step] = []
     for k, (node, gpus, first) in enumerate(inference):
@@ -137,20 +146,19 @@ def make_plan(
             "LOCAL_RANK": str(sum(n == node for n, *_ in trainers[:rank]) if not gpus else 0),
             "MASTER_ADDR": master,
             "MASTER_PORT": str(master_port),
-            **share(node, gpus, training if cfg.max_staleness == 0 else sharing),
+            # Without lending, at max_staleness=0 the servers wait for every version while the
+            # trainer trains, so its ranks split the cores among themselves alone.
+            **share(node, gpus, training if cfg.max_staleness == 0 and not lend else sharing),
         }
         steps.append(Step("trainer", rank, node, gpus, _ids(gpus, first), env))
     return Plan(nodes, gpus_per_node, n_inf, n_train, steps)
 
 
-def role_threads(configured: int) -> int:
-    """Torch threads of a computing role: `configured` if > 0, else (0, the default) the cores
-    this process may run on divided among the roles sharing them (AREAL_CPU_SHARE): on a
-    2-core laptop a server and a trainer get one each, on a 64-core node 32 each."""
-    if configured > 0:
-        return configured
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, int(os.environ.get(CPU_SHARE_ENV, "1"))))
+def ledger_path(cfg: ExperimentConfig) -> str:
+    """One ledger per run and node: in memory (/dev/shm) where the node has it."""
+    run = hashlib.sha1(str(Path(cfg.exp_dir).resolve()).encode()).hexdigest()[:16]
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(root, f"areal-cores-{run}")
 
 
 def _ids(gpus: int, first: int) -> tuple[int, ...]:

@@ -52,6 +52,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from areal.cores import Cores
 from areal.rollout.kv_cache import KVCache
 from areal.rollout.sglang_api import PAUSE_MODES, SamplingParams
 
@@ -115,7 +116,7 @@ class DecodeEngine:
         max_batch_size: int = 64,
         max_total_tokens: int = 0,
         seed: int = 0,
-        num_threads: int = 1,
+        num_threads: int | Cores = 1,
         weight_version: int = 0,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
@@ -124,7 +125,8 @@ class DecodeEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if not Path(model_path).is_dir():
             raise ValueError(f"model directory {model_path} does not exist")
-        torch.set_num_threads(num_threads)
+        # A Cores lends the server's cores while it has nothing to generate (areal/cores.py).
+        self.cores = num_threads if isinstance(num_threads, Cores) else Cores(num_threads)
         self.max_batch_size = max_batch_size
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -359,6 +361,7 @@ class DecodeEngine:
                     return
                 self._stepping = True
                 stale, self._kv_stale = self._kv_stale, False
+            self.cores.work()  # may wait briefly for a peer to hand back this server's cores
             batch = self._place(batch, stale)
             tokens: list[int] = []
             logprobs: list[float] = []
@@ -397,6 +400,7 @@ class DecodeEngine:
                     self._running.append(self._waiting.popleft())
                 if self._running:
                     return list(self._running)
+            self.cores.wait()
             self._cv.wait()
         return None
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from areal.comm import net
 from areal.comm.registry import Registry
 from areal.config import ConfigError, ExperimentConfig
+from areal.cores import role_threads
 from areal.events import events_path
-from areal.launcher.plan import role_threads
 from areal.rollout.auth import API_KEY_ENV, api_key
 from areal.rollout.inference import InferenceClient
 from areal.rollout.vllm_launch import vllm_server_command, vllm_version_problem
@@ -69,8 +69,9 @@ def server_command(
             "--port": port,
             "--max-batch-size": inf.max_batch_size,
             "--max-total-tokens": inf.max_total_tokens,
-            # Resolved here, in the server's own step: its cores and its share of them.
-            "--num-threads": role_threads(inf.num_threads),
+            # 0: resolved by the server from its step's environment (its share of the
+            # node's cores, and the ledger through which it lends and borrows them).
+            "--num-threads": inf.num_threads,
             "--seed": cfg.seed + k,
             "--weight-version": version,
         }

@@ -37,6 +37,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from areal import events, rolelog
+from areal.cores import role_cores
 from areal.rollout import sglang_api as api
 from areal.rollout.activity import ServerActivity
 from areal.rollout.auth import API_KEY_ENV, require_api_key, weights_path_problem
@@ -264,7 +265,7 @@ async def serve(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             max_total_tokens=args.max_total_tokens,
             seed=args.seed,
-            num_threads=args.num_threads,
+            num_threads=role_cores(args.num_threads),
             weight_version=args.weight_version,
         )
     except (OSError, ValueError) as e:
@@ -288,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument(
+        "--num-threads", type=int, default=1,
+        help="torch threads; 0: this process's share of the node's cores (AREAL_CPU_SHARE), "
+        "lent while idle and borrowed while busy through AREAL_CPU_LEDGER when set",
+    )  # fmt: skip
     parser.add_argument(
         "--max-total-tokens",
         type=int,

@@ -58,6 +58,8 @@ class TrainerBackend(Protocol):
     computing what it can of them.
     """
 
+    model: torch.nn.Module
+    """The module trained (the trainer hooks its layers to adapt its threads: areal/cores.py)."""
     collective_save: bool
     """True: every rank of the trainer world takes part in save_hf and save_optimizer."""
 

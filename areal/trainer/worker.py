@@ -37,7 +37,7 @@ from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
-from areal.launcher.plan import role_threads
+from areal.cores import role_cores
 from areal.trainer.backend import TrainerBackend, make_backend
 from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import train_step
@@ -164,12 +164,13 @@ def batch_line(version: int, trajs: list[Trajectory], stale: list[int]) -> dict:
 
 def _train(cfg: ExperimentConfig, key: bytes, dp: DataParallel) -> None:
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(role_threads(cfg.trainer.num_threads))
+    cores = role_cores(cfg.trainer.num_threads)
     # Every rank loads the same weights and optimizer state, so that identical summed
     # gradients keep them identical; rank 0 alone writes them back.
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
     model_dir = resume_from.model_dir if resume_from else cfg.model.path
     backend, dp = make_backend(cfg, model_dir, dp)
+    cores.follow(backend.model)  # borrows idle servers' cores layer by layer
     version = 0  # completed trainer updates: the weights this rank holds
     if resume_from:
         load_trainer_part(backend, resume_from.path)
@@ -182,11 +183,14 @@ def _train(cfg: ExperimentConfig, key: bytes, dp: DataParallel) -> None:
         metrics = _Metrics(cfg.exp_dir, dp)
     t_saved = time.time()
     while version < cfg.total_train_steps:
+        cores.wait()  # lends its cores to the servers until its batch comes
         reply = _get_batch(controller, version, dp)
+        cores.work()
         trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
         t_batch = time.time()
         stats = train_step(backend, trajs, dp=dp, **_step_args(cfg, version))
         t_train = time.time() - t_batch
+        stats["time/train_threads"] = cores.threads_mean()
         stale = staleness(trajs, version)
         version += 1  # the step is done: this rank holds the weights of the new version
         publish_weights(cfg, backend, controller, version, dp)

@@ -117,7 +117,7 @@ def test_local_launcher_gives_each_gpu_step_its_own_gpus_and_cpu_roles_none() ->
 
 
 def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> None:
-    from areal.launcher.plan import CPU_SHARE_ENV, role_threads
+    from areal.cores import CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV, role_threads
 
     cfg = load_config(
         str(REPO / "configs/tiny.yaml"), ["rollout.n_servers=2", "trainer.parallel.dp=2"]
@@ -127,18 +127,25 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
     computing = [s for s in plan.steps if s.role in computing_roles]
     assert len(computing) == 4 and {s.env[CPU_SHARE_ENV] for s in computing} == {"4"}
     assert all(CPU_SHARE_ENV not in s.env for s in plan.steps if s not in computing)
-    # Synchronous (eta=0): the servers idle while the trainer trains, so its ranks split the
-    # cores between themselves; the servers keep their share.
-    sync = make_plan(
-        load_config(
-            str(REPO / "configs/tiny.yaml"),
-            ["rollout.n_servers=2", "trainer.parallel.dp=2", "max_staleness=0"],
-        ),
-        nodes(1),
-        0,
-    )
-    shares = {(s.role, s.env.get(CPU_SHARE_ENV)) for s in sync.steps if s.role in computing_roles}
+    # Each computing step has its own slot in the node's ledger, through which it lends its
+    # cores while it waits (areal/cores.py); the other steps compute nothing.
+    assert sorted(int(s.env[CPU_SLOT_ENV]) for s in computing) == [0, 1, 2, 3]
+    assert len({s.env[CPU_LEDGER_ENV] for s in computing}) == 1
+    assert all(CPU_LEDGER_ENV not in s.env for s in plan.steps if s not in computing)
+
+    def sync_plan(*more: str):
+        overrides = ["rollout.n_servers=2", "trainer.parallel.dp=2", "max_staleness=0", *more]
+        return make_plan(load_config(str(REPO / "configs/tiny.yaml"), overrides), nodes(1), 0)
+
+    # A fixed split (no lending): at eta=0 the servers idle while the trainer trains, so its
+    # ranks split the cores between themselves; the servers keep their share.
+    fixed = sync_plan("launcher.lend_idle_cores=false")
+    shares = {(s.role, s.env.get(CPU_SHARE_ENV)) for s in fixed.steps if s.role in computing_roles}
     assert shares == {("server", "4"), ("trainer", "2")}
+    assert all(CPU_LEDGER_ENV not in s.env for s in fixed.steps)
+    # vLLM's threads are its own: beside it the split stays fixed.
+    vllm = sync_plan("inference.backend=vllm", "model.tiny_heads=2")
+    assert all(CPU_LEDGER_ENV not in s.env for s in vllm.steps)
     # With GPUs a step computes on its own GPU: no share of the CPUs.
     gpu_cfg = load_config(str(REPO / "configs/math_1.5b.yaml"))
     assert all(CPU_SHARE_ENV not in s.env for s in make_plan(gpu_cfg, nodes(16), 8).steps)

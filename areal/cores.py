@@ -1,0 +1,192 @@
+"""Work-conserving cores: the CPU roles of a node that compute (embedded servers, trainer
+ranks) lend their cores to each other while they wait.
+
+Each such role has a base share of the node's cores (cores // roles, as when the split was
+fixed) and a slot in its node's ledger, a small shared-memory file: since when it waits (a
+server with nothing to generate, or held by the staleness bound; a trainer waiting for its
+batch), or 0 while it works, and the threads it uses. Before each unit of work (a decode
+step; each module of the trainer's forward and backward) a role sets its torch threads to
+its share plus the shares of the peers that have waited BORROW_AFTER_S. On a 2-core laptop
+the trainer so trains on both cores while the server is held by eta, and the server
+generates on both while the trainer waits for its batch.
+
+Two threads on one core cost far more than one idle core (a 2-thread training step beside
+a busy 1-thread server took 1.6x as long as with one thread each): a role that starts
+working waits, RETURN_WAIT_S at most, until its borrowing peers hand its share back, which
+they do at their next module (tens of milliseconds); and a short gap (a weight update, a
+batch of requests arriving) lends nothing. Reading the ledger costs a microsecond and
+torch.set_num_threads under one. Who generates, who trains and the staleness bound are
+as before: only the threads inside each role change.
+
+    ledger slot (two doubles): [waiting since (CLOCK_MONOTONIC, node-wide) or 0 = working,
+                                threads in use]
+    a new ledger reads 0: every role working, no share lent before its owner says so
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import mmap
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: the launcher reads the names below without torch
+    import torch
+
+CPU_SHARE_ENV = "AREAL_CPU_SHARE"
+"""Set on the CPU steps that compute (servers, trainer ranks): how many share the node's cores."""
+CPU_LEDGER_ENV = "AREAL_CPU_LEDGER"
+"""Set with launcher.lend_idle_cores: the path of the node's ledger..."""
+CPU_SLOT_ENV = "AREAL_CPU_SLOT"
+"""...and the step's slot in it (its index among the computing steps of its node)."""
+
+BORROW_AFTER_S = 0.05
+"""A peer's share is borrowed once it has waited this long (not in the gaps of its work)."""
+RETURN_WAIT_S = 0.2
+"""The longest a role that starts working waits for its share to be handed back."""
+
+
+def node_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def role_threads(configured: int) -> int:
+    """Torch threads of a computing role: `configured` if > 0, else (0, the default) the cores
+    this process may run on divided among the roles sharing them (AREAL_CPU_SHARE): on a
+    2-core laptop a server and a trainer get one each, on a 64-core node 32 each."""
+    if configured > 0:
+        return configured
+    return max(1, node_cores() // max(1, int(os.environ.get(CPU_SHARE_ENV, "1"))))
+
+
+def role_cores(configured: int) -> Cores:
+    """The threads of a computing role: role_threads, plus the shares its node's waiting
+    roles lend where the launcher gave it a ledger (configured > 0: fixed, lends nothing)."""
+    ledger = os.environ.get(CPU_LEDGER_ENV)
+    if configured > 0 or not ledger:
+        return Cores(role_threads(configured))
+    roles = int(os.environ.get(CPU_SHARE_ENV, "1"))
+    return Cores(role_threads(0), Path(ledger), int(os.environ[CPU_SLOT_ENV]), roles)
+
+
+def _remove(ledger: Path) -> None:
+    """The first role to leave removes the name; the others keep their mapping."""
+    with contextlib.suppress(OSError):
+        os.unlink(ledger)
+
+
+class Cores:
+    """This process's torch threads: `share` always, plus the shares that waiting peers lend
+    (without a ledger, `share` alone: a fixed split)."""
+
+    def __init__(
+        self, share: int, ledger: Path | None = None, slot: int = 0, roles: int = 1
+    ) -> None:
+        self.share = max(1, share)
+        self.limit = max(self.share, node_cores())
+        self.slot = slot
+        self.threads = 0
+        # Thread-seconds and seconds of work since the last threads_mean() (a metric).
+        self._working_since: float | None = None
+        self._thread_s = self._work_s = 0.0
+        self._ledger: memoryview | None = None
+        if ledger is not None and roles > 1:
+            size = 16 * roles
+            fd = os.open(ledger, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)  # zeros: every role working, nothing lent
+                self._ledger = memoryview(mmap.mmap(fd, size)).cast("d")
+            finally:
+                os.close(fd)
+            self._peers = [i for i in range(roles) if i != slot]
+            atexit.register(_remove, ledger)
+        self._set(self.share)
+
+    def work(self) -> None:
+        """This role has work from now on: it takes back its share, waiting briefly for
+        peers that borrowed it to hand it back, and borrows what waiting peers lend."""
+        if self._working_since is not None:
+            self.adapt()
+            return
+        self._working_since = time.monotonic()
+        if self._ledger is not None:
+            self._ledger[2 * self.slot] = 0.0
+            deadline = self._working_since + RETURN_WAIT_S
+            while self._peer_threads() + self.share > self.limit and time.monotonic() < deadline:
+                time.sleep(0.002)
+        self.adapt()
+
+    def wait(self) -> None:
+        """This role waits from now on (for a batch, for requests): its share is lent."""
+        self._account()
+        self._working_since = None
+        if self._ledger is not None:
+            self._ledger[2 * self.slot] = time.monotonic()
+
+    def adapt(self) -> int:
+        """Set the threads for the next unit of work: the share plus the lent shares."""
+        if self._ledger is not None:
+            now, ledger = time.monotonic(), self._ledger
+            lent = sum(0 < ledger[2 * i] <= now - BORROW_AFTER_S for i in self._peers)
+            self._set(min(self.limit, self.share * (1 + lent)))
+        return self.threads
+
+    def follow(self, model: torch.nn.Module) -> None:
+        """Adapt before each leaf module of `model`'s forward and of its backward, so that a
+        share is handed back within one module's time."""
+        import torch
+
+        if self._ledger is None:
+            return  # a fixed split never changes
+
+        def before_forward(_module: torch.nn.Module, _args: tuple) -> None:
+            self.adapt()
+
+        def before_backward(_grad: torch.Tensor) -> None:
+            self.adapt()
+
+        def after_forward(_module: torch.nn.Module, _args: tuple, output: object) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(before_backward)  # runs as this module's backward starts
+
+        for module in model.modules():
+            if next(module.children(), None) is None:
+                module.register_forward_pre_hook(before_forward)
+                module.register_forward_hook(after_forward)
+
+    def threads_mean(self) -> float:
+        """The mean threads of this role's work since the last call (its share if none)."""
+        self._account()
+        mean = self._thread_s / self._work_s if self._work_s else float(self.threads)
+        self._thread_s = self._work_s = 0.0
+        return mean
+
+    def _peer_threads(self) -> float:
+        """The threads the working peers use (a waiting peer's threads sleep)."""
+        ledger = self._ledger
+        return sum(ledger[2 * i + 1] or self.share for i in self._peers if ledger[2 * i] == 0)
+
+    def _account(self) -> None:
+        if self._working_since is not None:
+            now = time.monotonic()
+            self._thread_s += self.threads * (now - self._working_since)
+            self._work_s += now - self._working_since
+            self._working_since = now
+
+    def _set(self, threads: int) -> None:
+        if threads != self.threads:
+            import torch
+
+            self._account()
+            torch.set_num_threads(threads)
+            self.threads = threads
+            if self._ledger is not None:
+                self._ledger[2 * self.slot + 1] = threads

@@ -1,0 +1,122 @@
+"""Work-conserving cores (areal/cores.py): a waiting role lends its share, a returning role
+gets it back within a module, and the engine and the trainer's modules follow the ledger."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from areal.cores import BORROW_AFTER_S, RETURN_WAIT_S, Cores, node_cores
+from areal.rollout.engine import DecodeEngine, SamplingParams
+
+pytestmark = pytest.mark.skipif(node_cores() < 2, reason="lending needs two cores")
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def pair(tmp_path) -> tuple[Cores, Cores]:
+    """Two roles of one node, one core each (in one process: torch's threads are the last
+    set; the test reads each role's own record)."""
+    ledger = tmp_path / "ledger"
+    return Cores(1, ledger, 0, 2), Cores(1, ledger, 1, 2)
+
+
+def test_a_waiting_role_lends_its_share_and_gets_it_back(tmp_path) -> None:
+    a, b = pair(tmp_path)
+    a.work()
+    b.work()
+    assert a.adapt() == 1
+    b.wait()
+    assert a.adapt() == 1  # a gap shorter than BORROW_AFTER_S lends nothing
+    time.sleep(BORROW_AFTER_S + 0.01)
+    assert a.adapt() == 2
+    # b returns: it waits until a, at its next unit of work, hands the core back.
+    back = threading.Thread(target=b.work)
+    start = time.monotonic()
+    back.start()
+    time.sleep(RETURN_WAIT_S / 4)
+    assert back.is_alive(), "b started beside a borrower still holding b's core"
+    assert a.adapt() == 1
+    back.join(timeout=5)
+    assert not back.is_alive() and time.monotonic() - start < RETURN_WAIT_S
+    assert (a.threads, b.threads) == (1, 1)
+    # A borrower that never hands back (a long op without hooks) delays a by RETURN_WAIT_S.
+    a.wait()
+    time.sleep(BORROW_AFTER_S + 0.01)
+    assert b.adapt() == 2
+    start = time.monotonic()
+    a.work()
+    assert RETURN_WAIT_S <= time.monotonic() - start < RETURN_WAIT_S + 1
+
+
+def test_threads_mean_counts_working_time_only(tmp_path) -> None:
+    a, b = pair(tmp_path)
+    b.wait()
+    a.work()
+    time.sleep(0.1)  # one thread: b's gap is younger than BORROW_AFTER_S
+    a.adapt()
+    time.sleep(0.1)  # two threads
+    a.wait()
+    time.sleep(0.3)  # waiting: not counted
+    assert a.threads_mean() == pytest.approx(1.5, abs=0.15)
+
+
+def test_the_trainer_borrows_and_hands_back_module_by_module(tmp_path) -> None:
+    a, b = pair(tmp_path)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    a.follow(model)
+    seen: list[tuple[str, int]] = []
+    for i, layer in enumerate(model):  # registered after follow's hooks: they see its choice
+        layer.register_forward_pre_hook(lambda m, x, i=i: seen.append((f"f{i}", a.threads)))
+        layer.register_full_backward_pre_hook(lambda m, g, i=i: seen.append((f"b{i}", a.threads)))
+
+    def b_returns(grad: torch.Tensor) -> None:  # in the backward, as layer 2's starts
+        b._ledger[2 * b.slot] = 0.0  # working (as b.work() marks it, without its wait)
+
+    a.work()
+    b.wait()
+    time.sleep(BORROW_AFTER_S + 0.01)
+    x = torch.randn(3, 8, requires_grad=True)
+    h = model[2](model[1](model[0](x)))
+    h.register_hook(b_returns)  # after follow's hook on the same tensor
+    model[3](h).sum().backward()
+    assert seen == [("f0", 2), ("f1", 2), ("f2", 2), ("f3", 2),
+                    ("b3", 2), ("b2", 2), ("b1", 1), ("b0", 1)]  # fmt: skip
+
+
+def test_the_engine_lends_while_it_has_nothing_to_generate(tmp_path) -> None:
+    config = Qwen2Config(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, eos_token_id=0,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "model")
+    server, trainer = pair(tmp_path)
+    trainer.work()
+    engine = DecodeEngine(str(tmp_path / "model"), num_threads=server, max_total_tokens=4096)
+    try:
+        slot = 2 * server.slot
+        deadline = time.monotonic() + 10
+        while server._ledger[slot] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server._ledger[slot] > 0, "an idle engine did not lend its share"
+        params = SamplingParams(max_new_tokens=2000, ignore_eos=True)
+        running = engine.submit("r", [1, 2, 3], params)
+        while server._ledger[slot] != 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert server._ledger[slot] == 0, "a generating engine still lends its share"
+        engine.abort("r")
+        running.result(timeout=10)
+        while server._ledger[slot] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server._ledger[slot] > 0
+    finally:
+        engine.shutdown()
