@@ -218,8 +218,7 @@ class InferenceConfig(_Section):
     max_batch_size: int = 128
     """Sequences decoded together by one server at most."""
     num_threads: int = 0
-    """Torch threads of each embedded server; 0 = its share of the node's cores (lent to the
-    trainer while it has nothing to generate: launcher.lend_idle_cores)."""
+    """Torch threads of each embedded server; 0 = its share of the node's cores."""
     max_total_tokens: int = 0
     """KV-cache budget of each embedded server in tokens (rows x longest prompt + max_new);
     0 = a quarter of the memory free when it starts. A request that does not fit waits."""
@@ -362,7 +361,7 @@ class TrainerConfig(_Section):
     """Fraction of total_train_steps with linear lr warm-up."""
     num_threads: int = 0
     """Torch threads of each trainer rank; 0 = its share of the node's cores (shared with
-    the servers, lent to them while it waits for a batch: launcher.lend_idle_cores)."""
+    the servers; at max_staleness=0, when they idle while it trains, with other ranks only)."""
     mb_spec: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     """Dynamic micro-batching."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -444,9 +443,9 @@ class LauncherConfig(_Section):
     """Print the placement plan (which node runs which role on which GPUs) and start nothing."""
     srun_args: list[str] = field(default_factory=list)
     """Extra arguments for every srun step, e.g. [--mem-per-gpu=100G] on clusters that count memory."""  # noqa: E501
-    lend_idle_cores: bool = True
-    """CPU roles: a server or trainer that waits lends its cores to those with work (false:
-    a fixed split; a role with inference/trainer.num_threads > 0 keeps its threads)."""
+    lend_idle_cores: bool = False
+    """CPU roles: a server or trainer that waits lends its cores to those with work
+    (areal/cores.py; false: a fixed split; a role with num_threads > 0 keeps its threads)."""
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -5,7 +5,7 @@ Each such role has a base share of the node's cores (cores // roles, as when the
 fixed) and a slot in its node's ledger, a small shared-memory file: since when it waits (a
 server with nothing to generate, or held by the staleness bound; a trainer waiting for its
 batch), or 0 while it works, and the threads it uses. Before each unit of work (a decode
-step; each module of the trainer's forward and backward) a role sets its torch threads to
+step; each layer of the trainer's forward and backward) a role sets its torch threads to
 its share plus the shares of the peers that have waited BORROW_AFTER_S. On a 2-core laptop
 the trainer so trains on both cores while the server is held by eta, and the server
 generates on both while the trainer waits for its batch.
@@ -13,10 +13,15 @@ generates on both while the trainer waits for its batch.
 Two threads on one core cost far more than one idle core (a 2-thread training step beside
 a busy 1-thread server took 1.6x as long as with one thread each): a role that starts
 working waits, RETURN_WAIT_S at most, until its borrowing peers hand its share back, which
-they do at their next module (tens of milliseconds); and a short gap (a weight update, a
+they do at their next layer or decode step; and a short gap (a weight update, a
 batch of requests arriving) lends nothing. Reading the ledger costs a microsecond and
 torch.set_num_threads under one. Who generates, who trains and the staleness bound are
 as before: only the threads inside each role change.
+
+Off by default (launcher.lend_idle_cores): measured on 2 cores it gained at eta=0 on the
+4M-parameter model in one run and lost or was lost in noise elsewhere (issue 28's note):
+a 145k-parameter model decodes slower on two threads than on one, and at eta=4 the server
+is seldom idle long enough to lend (its re-prefills after each interruption keep it busy).
 
     ledger slot (two doubles): [waiting since (CLOCK_MONOTONIC, node-wide) or 0 = working,
                                 threads in use]
@@ -45,7 +50,7 @@ CPU_SLOT_ENV = "AREAL_CPU_SLOT"
 
 BORROW_AFTER_S = 0.05
 """A peer's share is borrowed once it has waited this long (not in the gaps of its work)."""
-RETURN_WAIT_S = 0.2
+RETURN_WAIT_S = 0.05
 """The longest a role that starts working waits for its share to be handed back."""
 
 
@@ -139,8 +144,9 @@ class Cores:
         return self.threads
 
     def follow(self, model: torch.nn.Module) -> None:
-        """Adapt before each leaf module of `model`'s forward and of its backward, so that a
-        share is handed back within one module's time."""
+        """Adapt before each layer of `model`'s forward and of its backward (the elements of
+        its ModuleLists: HF's model.layers, Megatron's decoder.layers), so that a share is
+        handed back within one layer's time."""
         import torch
 
         if self._ledger is None:
@@ -155,12 +161,14 @@ class Cores:
         def after_forward(_module: torch.nn.Module, _args: tuple, output: object) -> None:
             out = output[0] if isinstance(output, tuple) else output
             if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(before_backward)  # runs as this module's backward starts
+                out.register_hook(before_backward)  # runs as this layer's backward starts
 
-        for module in model.modules():
-            if next(module.children(), None) is None:
-                module.register_forward_pre_hook(before_forward)
-                module.register_forward_hook(after_forward)
+        # Layers, not every module: hooks on each of a small model's modules cost more than
+        # lending gains (the 145k-parameter model's step: 0.06 -> 0.075 s).
+        for layers in (m for m in model.modules() if isinstance(m, torch.nn.ModuleList)):
+            for layer in layers:
+                layer.register_forward_pre_hook(before_forward)
+                layer.register_forward_hook(after_forward)
 
     def threads_mean(self) -> float:
         """The mean threads of this role's work since the last call (its share if none)."""

@@ -18,6 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from areal.checkpoint import latest
 from areal.comm.registry import Registry
 from areal.comm.wire import seal, unpack
+from areal.config import load_config
+from areal.launcher.plan import ledger_path
 from tests.system.conftest import SHARED_MODELS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +117,21 @@ def test_zero_staleness_is_synchronous(tmp_path):
     # Every token is fresh, and its behaviour log-prob is the trainer's proximal one.
     assert all(m["train/fresh_tokens"] == m["train/n_tokens"] for m in metrics)
     assert all(m["train/fresh_logprob_diff_max"] < 1e-3 for m in metrics)
+
+
+def test_a_synchronous_run_lends_the_idle_servers_core_to_the_trainer(tmp_path):
+    """launcher.lend_idle_cores at eta=0: the server waits while the trainer trains, so the
+    trainer borrows its core (areal/cores.py); log-probs still match across thread counts,
+    and the node's ledger is gone when the run ends."""
+    overrides = ("trial_name=lend", "max_staleness=0", "launcher.lend_idle_cores=true")
+    proc = run_train(tmp_path, *overrides, "total_train_steps=8", "model.tiny_warmup_steps=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "tiny/lend")
+    assert len(metrics) == 8
+    assert max(m["time/train_threads"] for m in metrics) > 1.0, metrics
+    assert all(m["train/fresh_logprob_diff_max"] < 1e-3 for m in metrics)
+    cfg = load_config(str(ROOT / "configs/tiny.yaml"), [f"fileroot={tmp_path}", *overrides])
+    assert not Path(ledger_path(cfg)).exists()
 
 
 def test_a_whole_run_without_interruptible_generation(tmp_path):

@@ -120,7 +120,8 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
     from areal.cores import CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV, role_threads
 
     cfg = load_config(
-        str(REPO / "configs/tiny.yaml"), ["rollout.n_servers=2", "trainer.parallel.dp=2"]
+        str(REPO / "configs/tiny.yaml"),
+        ["rollout.n_servers=2", "trainer.parallel.dp=2", "launcher.lend_idle_cores=true"],
     )
     plan = make_plan(cfg, nodes(1), 0)
     computing_roles = ("server", "trainer")
@@ -139,12 +140,12 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
 
     # A fixed split (no lending): at eta=0 the servers idle while the trainer trains, so its
     # ranks split the cores between themselves; the servers keep their share.
-    fixed = sync_plan("launcher.lend_idle_cores=false")
+    fixed = sync_plan()  # lend_idle_cores: false, the default
     shares = {(s.role, s.env.get(CPU_SHARE_ENV)) for s in fixed.steps if s.role in computing_roles}
     assert shares == {("server", "4"), ("trainer", "2")}
     assert all(CPU_LEDGER_ENV not in s.env for s in fixed.steps)
     # vLLM's threads are its own: beside it the split stays fixed.
-    vllm = sync_plan("inference.backend=vllm", "model.tiny_heads=2")
+    vllm = sync_plan("inference.backend=vllm", "model.tiny_heads=2", "launcher.lend_idle_cores=1")
     assert all(CPU_LEDGER_ENV not in s.env for s in vllm.steps)
     # With GPUs a step computes on its own GPU: no share of the CPUs.
     gpu_cfg = load_config(str(REPO / "configs/math_1.5b.yaml"))
