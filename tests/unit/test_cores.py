@@ -79,9 +79,9 @@ def test_threads_mean_counts_working_time_only(tmp_path, monkeypatch) -> None:
     assert a.threads_mean() == pytest.approx(expected, abs=0.05)
 
 
-def test_the_trainer_borrows_and_hands_back_module_by_module(tmp_path) -> None:
+def test_the_trainer_borrows_and_hands_back_layer_by_layer(tmp_path) -> None:
     a, b = pair(tmp_path)
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    model = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])  # as model.layers
     a.follow(model)
     seen: list[tuple[str, int]] = []
     for i, layer in enumerate(model):  # registered after follow's hooks: they see its choice

@@ -145,7 +145,8 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
     assert shares == {("server", "4"), ("trainer", "2")}
     assert all(CPU_LEDGER_ENV not in s.env for s in fixed.steps)
     # vLLM's threads are its own: beside it the split stays fixed.
-    vllm = sync_plan("inference.backend=vllm", "model.tiny_heads=2", "launcher.lend_idle_cores=1")
+    lend = "launcher.lend_idle_cores=true"
+    vllm = sync_plan("inference.backend=vllm", "model.tiny_heads=2", lend)
     assert all(CPU_LEDGER_ENV not in s.env for s in vllm.steps)
     # With GPUs a step computes on its own GPU: no share of the CPUs.
     gpu_cfg = load_config(str(REPO / "configs/math_1.5b.yaml"))
