@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import mmap
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,6 +82,13 @@ def role_cores(configured: int) -> Cores:
     return Cores(role_threads(0), Path(ledger), int(os.environ[CPU_SLOT_ENV]), roles)
 
 
+def ledger_path(exp_dir: str | Path) -> str:
+    """One ledger per run and node: in memory (/dev/shm) where the node has it."""
+    run = hashlib.sha1(str(Path(exp_dir).resolve()).encode()).hexdigest()[:16]
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(root, f"areal-cores-{run}")
+
+
 def _remove(ledger: Path) -> None:
     """The first role to leave removes the name; the others keep their mapping."""
     with contextlib.suppress(OSError):
@@ -101,6 +110,7 @@ class Cores:
         self._working_since: float | None = None
         self._thread_s = self._work_s = 0.0
         self._ledger: memoryview | None = None
+        self._peers = [i for i in range(roles) if i != slot]
         if ledger is not None and roles > 1:
             size = 16 * roles
             fd = os.open(ledger, os.O_RDWR | os.O_CREAT, 0o600)
@@ -110,7 +120,6 @@ class Cores:
                 self._ledger = memoryview(mmap.mmap(fd, size)).cast("d")
             finally:
                 os.close(fd)
-            self._peers = [i for i in range(roles) if i != slot]
             atexit.register(_remove, ledger)
         self._set(self.share)
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,8 @@ from pathlib import Path
 
 from engine import SHAPES  # the same model shapes
 from tiny_run import TINY, effective_throughput, train_tiny
+
+from areal.cores import node_cores
 
 LR, MAX_OPERAND = 1e-3, 5
 GEOMETRIES = "145k:32:8:8,4m:128:8:8,4m:64:16:4"
@@ -261,7 +262,7 @@ def main() -> None:
     args = parser.parse_args()
     geometries = [Geometry.parse(g) for g in args.geometries.split(",")]
     etas = [int(e) for e in args.etas.split(",")]
-    cores = len(os.sched_getaffinity(0))
+    cores = node_cores()
     rows = []
     with tempfile.TemporaryDirectory() as root:
         models: dict[str, Path] = {}

@@ -14,14 +14,10 @@ everything. With GPUs every training GPU is a rank, and dp = training GPUs / (tp
 
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from areal.config import ConfigError, ExperimentConfig
-from areal.cores import CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV
+from areal.cores import CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV, ledger_path
 
 
 @dataclass(frozen=True)
@@ -124,7 +120,7 @@ def make_plan(
             return {}
         env = {CPU_SHARE_ENV: str(among.count(node))}
         if lend:
-            env[CPU_LEDGER_ENV] = ledger_path(cfg)
+            env[CPU_LEDGER_ENV] = ledger_path(cfg.exp_dir)
             env[CPU_SLOT_ENV] = str(slots.setdefault(node, 0))
             slots[node] += 1
         return env
@@ -152,13 +148,6 @@ def make_plan(
         }
         steps.append(Step("trainer", rank, node, gpus, _ids(gpus, first), env))
     return Plan(nodes, gpus_per_node, n_inf, n_train, steps)
-
-
-def ledger_path(cfg: ExperimentConfig) -> str:
-    """One ledger per run and node: in memory (/dev/shm) where the node has it."""
-    run = hashlib.sha1(str(Path(cfg.exp_dir).resolve()).encode()).hexdigest()[:16]
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(root, f"areal-cores-{run}")
 
 
 def _ids(gpus: int, first: int) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from areal.checkpoint import latest
 from areal.comm.registry import Registry
 from areal.comm.wire import seal, unpack
 from areal.config import load_config
-from areal.launcher.plan import ledger_path
+from areal.cores import ledger_path
 from tests.system.conftest import SHARED_MODELS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_a_synchronous_run_lends_the_idle_servers_core_to_the_trainer(tmp_path):
     assert max(m["time/train_threads"] for m in metrics) > 1.0, metrics
     assert all(m["train/fresh_logprob_diff_max"] < 1e-3 for m in metrics)
     cfg = load_config(str(ROOT / "configs/tiny.yaml"), [f"fileroot={tmp_path}", *overrides])
-    assert not Path(ledger_path(cfg)).exists()
+    assert not Path(ledger_path(cfg.exp_dir)).exists()
 
 
 def test_a_whole_run_without_interruptible_generation(tmp_path):
