@@ -143,7 +143,7 @@ class RolloutConfig(_Section):
     top_k: int = -1
     """Top-k sampling; -1 = off."""
     max_concurrent: int = 64
-    """Prompt groups in flight at most."""
+    """Prompt groups in flight at most; 0 = one training batch (trainer.batch_size), the CPU configs' choice: there a decode step costs about its rows and each update re-prefills every running row, so more in flight buys nothing (GPU configs set more, math_1.5b: 1024)."""  # noqa: E501
     interruptible: bool = True
     """A weight update aborts in-flight generations and resumes them under the new weights; false waits for them."""  # noqa: E501
     workflow: str = "areal.workflow.single_turn:SingleTurnWorkflow"
@@ -167,7 +167,8 @@ class RolloutConfig(_Section):
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._positive("n_servers", "group_size", "max_new_tokens", "max_concurrent")
+        self._positive("n_servers", "group_size", "max_new_tokens")
+        self._non_negative("max_concurrent")
         self._positive("max_turns", "episode_timeout_s")
         self._non_negative("max_consecutive_failures", "failure_window_s", "agent_processes")
         self._one_of("sample_mode", ("individual", "concat"))
@@ -443,7 +444,7 @@ class LauncherConfig(_Section):
     """Print the placement plan (which node runs which role on which GPUs) and start nothing."""
     srun_args: list[str] = field(default_factory=list)
     """Extra arguments for every srun step, e.g. [--mem-per-gpu=100G] on clusters that count memory."""  # noqa: E501
-    lend_idle_cores: bool = False
+    lend_idle_cores: bool = True
     """CPU roles: a server or trainer that waits lends its cores to those with work
     (areal/cores.py; false: a fixed split; a role with num_threads > 0 keeps its threads)."""
 

@@ -18,10 +18,12 @@ batch of requests arriving) lends nothing. Reading the ledger costs a microsecon
 torch.set_num_threads under one. Who generates, who trains and the staleness bound are
 as before: only the threads inside each role change.
 
-Off by default (launcher.lend_idle_cores): measured on 2 cores it gained at eta=0 on the
-4M-parameter model in one run and lost or was lost in noise elsewhere (issue 28's note):
-a 145k-parameter model decodes slower on two threads than on one, and at eta=4 the server
-is seldom idle long enough to lend (its re-prefills after each interruption keep it busy).
+On by default (launcher.lend_idle_cores; false gives the fixed split). Measured on 2 cores
+at eta=4 with one training batch in flight (rollout.max_concurrent=0): 2,341 -> 2,799 tok/s
+(4M parameters, 128 new tokens), 2,274 -> 2,733 (64 new tokens, 16 x 4), 12.7-13.8k ->
+13.2-16.0k (145k parameters): the server, ahead of the trainer, is held by eta for a third
+of each step and the trainer takes its core. With many more rows in flight than one batch,
+every update interrupts them all and the re-prefills keep the server busy: nothing to lend.
 
     ledger slot (two doubles): [waiting since (CLOCK_MONOTONIC, node-wide) or 0 = working,
                                 threads in use]

@@ -3,7 +3,7 @@ and both against the machine's limit.
 
     pip install -c constraints.txt trl     # constraints.txt: torch==2.13.0+cpu (keeps torch)
     python benchmarks/vs_trl.py [--geometries 145k:32:8:8,4m:128:8:8,4m:64:16:4]
-        [--steps 30] [--repeats 1] [--etas 0,4] [--limit-steps 3] [--skip-trl]
+        [--steps 60] [--repeats 1] [--etas 0,4] [--fixed-split] [--limit-steps 3] [--skip-trl]
 
 A geometry is shape:new:prompts:group: the model shape of benchmarks/engine.py (145k:
 hidden 64, 2 layers; 4m: hidden 256, intermediate 1024, 4 layers), the new tokens per
@@ -17,9 +17,11 @@ Effective training throughput, counted the same way for all: completion tokens t
 the update per second of wall time, over the steps after warm-up (the first fifth left
 out; tiny_run.effective_throughput). TRL: its own per-step log (completions/mean_length
 x prompts x group) and wall clock at each step's end; areal: metrics.jsonl
-(train/n_tokens, time), at each eta of --etas. Each variant is its own process on the same
+(train/n_tokens, time), at each eta of --etas (and with --fixed-split, each again with
+launcher.lend_idle_cores=false: no core lent). Each variant is its own process on the same
 cores (TRL with torch's default threads; areal's roles split the cores,
-inference.num_threads / trainer.num_threads = 0).
+inference.num_threads / trainer.num_threads = 0, and lend them to each other while they
+wait, launcher.lend_idle_cores).
 
 The machine's limit: on C cores (C = the process's CPU affinity) a step cannot take less
 than (core-seconds of generation + core-seconds of training) / C. Both are measured in a
@@ -108,8 +110,14 @@ def areal_overrides(model: Path | str, geo: Geometry, eta: int) -> list[str]:
     ]  # fmt: skip
 
 
-def run_areal(model: Path, geo: Geometry, eta: int, steps: int, root: str, name: str) -> float:
-    return effective_throughput(train_tiny(root, name, steps, areal_overrides(model, geo, eta)))
+FIXED_SPLIT = ["launcher.lend_idle_cores=false"]
+
+
+def run_areal(
+    model: Path, geo: Geometry, eta: int, steps: int, root: str, name: str, extra: list[str]
+) -> float:
+    overrides = areal_overrides(model, geo, eta) + extra
+    return effective_throughput(train_tiny(root, name, steps, overrides))
 
 
 def worker(*args: str) -> str:
@@ -254,14 +262,23 @@ def main() -> None:
     parser.add_argument(
         "--geometries", default=GEOMETRIES, help="shape:new:prompts:group, comma-separated"
     )
-    parser.add_argument("--steps", type=int, default=30)
+    # An eta>0 run starts with every batch in flight at once (each update then interrupts a
+    # full batch) and settles after about 10 steps into the server keeping ahead: 60 steps
+    # measure the steady state, not the start.
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--etas", default="0,4", help="areal's max_staleness, comma-separated")
     parser.add_argument("--limit-steps", type=int, default=3, help="after one warm-up step")
     parser.add_argument("--skip-trl", action="store_true", help="areal and the limit only")
+    parser.add_argument(
+        "--fixed-split", action="store_true", help="each eta also with lend_idle_cores=false"
+    )
     args = parser.parse_args()
     geometries = [Geometry.parse(g) for g in args.geometries.split(",")]
-    etas = [int(e) for e in args.etas.split(",")]
+    # (column, eta, extra overrides) of each areal run
+    variants = [(f"eta={e}", int(e), []) for e in args.etas.split(",")]
+    if args.fixed_split:
+        variants += [(f"{name} fixed", eta, FIXED_SPLIT) for name, eta, _ in variants]
     cores = node_cores()
     rows = []
     with tempfile.TemporaryDirectory() as root:
@@ -270,14 +287,14 @@ def main() -> None:
             if geo.shape not in models:
                 models[geo.shape] = make_model(geo.shape, Path(root) / f"model-{geo.shape}")
             model = models[geo.shape]
-            res: dict[str, list[float]] = {"trl": [], **{f"eta={e}": [] for e in etas}, "limit": []}
+            res: dict[str, list[float]] = {"trl": [], **{v[0]: [] for v in variants}, "limit": []}
             for r in range(args.repeats):  # interleaved: all see the same machine
                 tag = f"{geo.shape}-{geo.new}-{geo.prompts}x{geo.group}-{r}"
                 if not args.skip_trl:
                     res["trl"].append(run_trl(model, geo, args.steps, f"{root}/trl-{tag}"))
-                for eta in etas:
-                    res[f"eta={eta}"].append(
-                        run_areal(model, geo, eta, args.steps, root, f"{tag}-eta{eta}")
+                for name, eta, extra in variants:
+                    res[name].append(
+                        run_areal(model, geo, eta, args.steps, root, f"{tag}-{name}", extra)
                     )
                 lim = run_limit(model, geo, args.limit_steps)
                 res["limit"].append(lim["tokens"] / ((lim["gen_s"] + lim["train_s"]) / cores))
@@ -289,12 +306,11 @@ def main() -> None:
                     flush=True,
                 )
             rows.append((geo, {k: statistics.median(v) if v else None for k, v in res.items()}))
-    print_table(rows, etas, cores)
+    print_table(rows, [name for name, _, _ in variants], cores)
 
 
-def print_table(rows: list, etas: list[int], cores: int) -> None:
-    """tok/s of TRL, areal at each eta and the limit; fractions of the limit; areal/TRL."""
-    names = [f"eta={e}" for e in etas]
+def print_table(rows: list, names: list[str], cores: int) -> None:
+    """tok/s of TRL, areal's variants and the limit; fractions of the limit; areal/TRL."""
     cols = [("TRL tok/s", "{:.0f}", lambda m: m["trl"])]
     cols += [(f"areal {n}", "{:.0f}", lambda m, n=n: m[n]) for n in names]
     cols += [("limit tok/s", "{:.0f}", lambda m: m["limit"])]

@@ -26,10 +26,10 @@ class StalenessGate:
         version: int = 0,
         n_accepted: int | None = None,
     ):
-        assert batch_size > 0 and max_staleness >= 0 and max_concurrent > 0
+        assert batch_size > 0 and max_staleness >= 0 and max_concurrent >= 0
         self.batch_size = batch_size
         self.max_staleness = max_staleness
-        self.max_concurrent = max_concurrent
+        self.max_concurrent = max_concurrent or batch_size  # 0: one training batch
         self.version = version
         self.n_running = 0
         """Groups started and not yet accepted or rejected."""

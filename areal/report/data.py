@@ -196,6 +196,51 @@ def waiting_share(lane: str, spans: list[Span]) -> float:
     return float("nan")
 
 
+WORK_KINDS = {
+    "server": ("generate", "load"),
+    "trainer": ("proximal", "update", "publish", "checkpoint"),
+}
+"""The spans in which a lane computes; anything else (no span, waiting for a batch, paused or
+held by the staleness bound) is idle."""
+
+
+def idle_while_busy_share(lanes_: dict[str, list[Span]]) -> float:
+    """Share of the run in which a server or trainer lane is idle while another computes: the
+    time a core could have moved to the role with work (issue 28's yardstick). Counted from
+    when every such lane has started to when the first one ends (start-up and shut-down are
+    not a steady state); NaN with fewer than two such lanes."""
+    busy: dict[str, list[tuple[float, float]]] = {}
+    for name, spans in lanes_.items():
+        work = WORK_KINDS.get(name.rstrip("0123456789"))
+        if work is not None and spans:
+            busy[name] = [(s.start, s.end) for s in spans if s.kind in work]
+    if len(busy) < 2:
+        return float("nan")
+    start = max(min(s.start for s in lanes_[n]) for n in busy)
+    end = min(max(s.end for s in lanes_[n]) for n in busy)
+    if end <= start:
+        return float("nan")
+    # Sweep the merged busy intervals of every lane, counting lanes at work.
+    edges: list[tuple[float, int]] = []
+    for intervals in busy.values():
+        merged: list[list[float]] = []
+        for a, b in sorted(intervals):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for a, b in merged:
+            a, b = max(a, start), min(b, end)
+            if a < b:
+                edges += [(a, 1), (b, -1)]
+    idle, working, t = 0.0, 0, start
+    for time, step in sorted(edges):
+        if 0 < working < len(busy):
+            idle += time - t
+        working, t = working + step, time
+    return idle / (end - start)
+
+
 # ---- the summary --------------------------------------------------------------------------
 
 
@@ -213,6 +258,7 @@ def summary(run: Run) -> dict:
         "best_step": int(run.metrics[best]["step"]),
         "median_train_tokens_per_s": float(np.median(tput)) if len(tput) else float("nan"),
         "waiting": {name: waiting_share(name, s) for name, s in lanes(run).items()},
+        "idle_while_busy": idle_while_busy_share(lanes(run)),
     }
 
 
@@ -234,4 +280,8 @@ def format_summary(s: dict) -> str:
         )
     else:
         lines.append("  time spent waiting: no events recorded (stats.events=false?)")
+    if s["idle_while_busy"] == s["idle_while_busy"]:
+        lines.append(
+            f"  a lane idle while another computes: {100 * s['idle_while_busy']:.0f}% of the run"
+        )
     return "\n".join(lines)

@@ -349,6 +349,9 @@ class DecodeEngine:
                 "total_finished_reqs": self._counters["finished"],
                 "total_aborted_reqs": self._counters["aborted"],
                 "num_decode_steps": self._counters["steps"],
+                # Tokens whose keys/values a prefill computed: prompts, and every prefix again
+                # after a weight update (on a CPU one costs about what a decoded token does).
+                "total_prefilled_tokens": self._counters["prefilled"],
             }
 
     # ---- decode thread --------------------------------------------------------------------
@@ -363,6 +366,7 @@ class DecodeEngine:
                 stale, self._kv_stale = self._kv_stale, False
             self.cores.work()  # may wait briefly for a peer to hand back this server's cores
             batch = self._place(batch, stale)
+            fresh = [r for r in batch if not r.cached]  # prefilled by this step
             tokens: list[int] = []
             logprobs: list[float] = []
             error: Exception | None = None
@@ -375,6 +379,9 @@ class DecodeEngine:
             with self._cv:
                 self._stepping = False
                 self._counters["steps"] += 1
+                self._counters["prefilled"] += sum(
+                    len(r.prompt_ids) + len(r.output_ids) - 1 for r in fresh
+                )
                 if error is not None:
                     for req in batch:
                         self._finish_locked(req, _abort(f"decode step failed: {error}"), finished)

@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -276,7 +277,13 @@ async def serve(args: argparse.Namespace) -> int:
     rolelog.set_context(version=lambda: decode_engine.weight_version)
     print(f"areal embedded server ready at http://{args.host}:{args.port}", flush=True)
     await stop.wait()
-    logger.info("shutting down")
+    st = decode_engine.stats()
+    logger.info(
+        "shutting down: %d requests finished (%d aborted), %d tokens generated and %d "
+        "prefilled in %d decode steps; %.1f CPU-seconds",
+        st["total_finished_reqs"], st["total_aborted_reqs"], st["total_generated_tokens"],
+        st["total_prefilled_tokens"], st["num_decode_steps"], time.process_time(),
+    )  # fmt: skip
     decode_engine.shutdown()  # resolves every waiting handler with an abort before the site closes
     await runner.cleanup()
     return 0

@@ -136,6 +136,7 @@ def test_joins_and_leaves_keep_every_logprob_exact(engine, models):
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_weight_update_while_paused_recomputes_the_cache(engine, models, mode):
     prompts = _prompts(5, seed=1)
+    prefilled = engine.stats()["total_prefilled_tokens"]
     futs = [engine.submit(f"r{i}", p, _params(60)) for i, p in enumerate(prompts)]
     _wait_tokens(engine, 30)
     assert engine.pause(mode) == 5
@@ -149,6 +150,10 @@ def test_weight_update_while_paused_recomputes_the_cache(engine, models, mode):
         assert 0 < k < 60 and len(res.output_ids) == 60 and res.weight_version == 1
         _check(models["a"], prompt, res.output_ids, res.logprobs, end=k)
         _check(models["b"], prompt, res.output_ids, res.logprobs, start=k)
+    # Every prompt once, then every prompt and its partial output again on the new weights.
+    again = sum(len(p) + split[f"r{i}"] - 1 for i, p in enumerate(prompts))
+    expected = sum(len(p) - 1 for p in prompts) + again
+    assert engine.stats()["total_prefilled_tokens"] - prefilled == expected
 
 
 def test_pause_abort_then_resume_on_new_weights(engine, models):

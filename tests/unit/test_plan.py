@@ -140,7 +140,7 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
 
     # A fixed split (no lending): at eta=0 the servers idle while the trainer trains, so its
     # ranks split the cores between themselves; the servers keep their share.
-    fixed = sync_plan()  # lend_idle_cores: false, the default
+    fixed = sync_plan("launcher.lend_idle_cores=false")
     shares = {(s.role, s.env.get(CPU_SHARE_ENV)) for s in fixed.steps if s.role in computing_roles}
     assert shares == {("server", "4"), ("trainer", "2")}
     assert all(CPU_LEDGER_ENV not in s.env for s in fixed.steps)

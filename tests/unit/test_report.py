@@ -91,6 +91,9 @@ def test_timeline_lanes_marks_and_waiting(tmp_path):
     waits = data.summary(run)["waiting"]
     assert waits["trainer0"] == pytest.approx(0.25)  # 0.5 s of every 2 s
     assert waits["server0"] == pytest.approx(0.25)  # not generating 0.5 s of every 2 s
+    # Each 2 s: the trainer waits 0.5 s while the server generates, the server pauses 0.5 s
+    # while the trainer updates and publishes.
+    assert data.summary(run)["idle_while_busy"] == pytest.approx(0.5)
     assert sorted(["controller0", "trainer1", "server10", "server2"], key=data.lane_order) == [
         "server2", "server10", "trainer1", "controller0"
     ]  # fmt: skip
@@ -105,6 +108,28 @@ def test_summary_and_its_text(tmp_path):
     assert "exp/t1: 10 steps in 20.0s" in text
     assert "final +5.00, best +5.00 (step 10)" in text
     assert "server0 25% (not generating), trainer0 25%" in text
+    assert "a lane idle while another computes: 50% of the run" in text
+
+
+def span(kind, start, end):
+    return data.Span(kind, start, end, None)
+
+
+def test_idle_while_busy_counts_only_one_lane_waiting_for_another():
+    both_work = {"server0": [span("generate", 0, 10)], "trainer0": [span("update", 0, 10)]}
+    assert data.idle_while_busy_share(both_work) == 0.0
+    # Idle together (3-5) is not a lost core; the server's load is work; nested spans merge.
+    lanes = {
+        "server0": [span("generate", 0, 3), span("pause", 3, 6), span("load", 5, 6),
+                    span("generate", 6, 10)],
+        "trainer0": [span("update", 0, 2), span("proximal", 1, 2), span("wait_batch", 2, 5),
+                     span("update", 5, 10)],
+    }  # fmt: skip
+    assert data.idle_while_busy_share(lanes) == pytest.approx(0.1)  # 2-3 only
+    # Counted once every lane has started and until the first one stops.
+    late = {"server0": [span("generate", 0, 10)], "trainer0": [span("update", 4, 8)]}
+    assert data.idle_while_busy_share(late) == 0.0
+    assert data.idle_while_busy_share({"server0": [span("generate", 0, 1)]}) != 0  # NaN
 
 
 def test_figures_draw_the_extracted_series(tmp_path):
