@@ -11,6 +11,7 @@ tests what the pictures show.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,7 +281,7 @@ def format_summary(s: dict) -> str:
         )
     else:
         lines.append("  time spent waiting: no events recorded (stats.events=false?)")
-    if s["idle_while_busy"] == s["idle_while_busy"]:
+    if not math.isnan(s["idle_while_busy"]):
         lines.append(
             f"  a lane idle while another computes: {100 * s['idle_while_busy']:.0f}% of the run"
         )

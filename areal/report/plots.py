@@ -185,8 +185,8 @@ def timeline_figure(run: data.Run) -> Figure:
         axes[1, 0].set_title(f"close-up: {ZOOM_VERSIONS} versions mid-run", fontsize=9)
     kinds = [k for k in COLORS if any(s.kind == k for spans in lanes.values() for s in spans)]
     share = data.idle_while_busy_share(lanes)
-    idle = f" (a lane idle while another computes: {100 * share:.0f}% of the run)"
-    fig.suptitle(f"{run.label}: timeline{idle if share == share else ''}")
+    idle = "" if np.isnan(share) else f" (a lane idle while another computes: {share:.0%})"
+    fig.suptitle(f"{run.label}: timeline{idle}")
     fig.tight_layout()
     fig.legend(
         handles=[Patch(color=COLORS[k], label=KINDS[k]) for k in kinds],

@@ -34,6 +34,16 @@ def test_gate_caps_groups_in_flight():
     assert gate.capacity() == 1
 
 
+def test_max_concurrent_zero_is_one_training_batch():
+    gate = StalenessGate(batch_size=4, max_staleness=8, max_concurrent=0)
+    assert gate.capacity() == 4  # the bound alone would allow 4 * 9
+    for _ in range(4):
+        gate.on_rollout_submitted()
+    assert gate.capacity() == 0
+    gate.on_rollout_accepted()
+    assert gate.capacity() == 1
+
+
 def test_gate_after_resume_counts_from_the_version():
     gate = StalenessGate(batch_size=4, max_staleness=2, max_concurrent=100, version=5)
     assert gate.n_accepted == 20  # B * version groups were trained on
