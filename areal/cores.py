@@ -28,6 +28,10 @@ every update interrupts them all and the re-prefills keep the server busy: nothi
     ledger slot (two doubles): [waiting since (CLOCK_MONOTONIC, node-wide) or 0 = working,
                                 threads in use]
     a new ledger reads 0: every role working, no share lent before its owner says so
+
+A role that computes on lent shares records it as a `borrow` span (areal/events.py), with
+`lent` the shares borrowed: the report's timeline then counts a lane that waits while its
+core computes for a peer as lent, not idle.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from areal import events
 
 if TYPE_CHECKING:  # imported where used: the launcher reads the names below without torch
     import torch
@@ -108,6 +114,7 @@ class Cores:
         self.limit = max(self.share, node_cores())
         self.slot = slot
         self.threads = 0
+        self._borrowing_since: float | None = None  # wall clock, for the borrow span
         # Thread-seconds and seconds of work since the last threads_mean() (a metric).
         self._working_since: float | None = None
         self._thread_s = self._work_s = 0.0
@@ -142,6 +149,7 @@ class Cores:
     def wait(self) -> None:
         """This role waits from now on (for a batch, for requests): its share is lent."""
         self._account()
+        self._end_borrow()
         self._working_since = None
         if self._ledger is not None:
             self._ledger[2 * self.slot] = time.monotonic()
@@ -152,6 +160,8 @@ class Cores:
             now, ledger = time.monotonic(), self._ledger
             lent = sum(0 < ledger[2 * i] <= now - BORROW_AFTER_S for i in self._peers)
             self._set(min(self.limit, self.share * (1 + lent)))
+            if self.threads > self.share and self._borrowing_since is None:
+                self._borrowing_since = time.time()
         return self.threads
 
     def follow(self, model: torch.nn.Module) -> None:
@@ -200,11 +210,18 @@ class Cores:
             self._work_s += now - self._working_since
             self._working_since = now
 
+    def _end_borrow(self) -> None:
+        if self._borrowing_since is not None:
+            lent = -(-(self.threads - self.share) // self.share)  # shares, rounded up
+            events.record("borrow", self._borrowing_since, time.time(), lent=lent)
+            self._borrowing_since = None
+
     def _set(self, threads: int) -> None:
         if threads != self.threads:
             import torch
 
             self._account()
+            self._end_borrow()
             torch.set_num_threads(threads)
             self.threads = threads
             if self._ledger is not None:

@@ -25,6 +25,8 @@ is about: the one loaded, published, or held while generating. Kinds, by role:
 |               | publish          | writing weights/v`version` and telling the controller       |
 |               | checkpoint       | saving a checkpoint                                         |
 | controller0   | update_weights   | fan-out of `version` until every server has loaded it      |
+| server{k},    | borrow           | computing on the cores of `lent` waiting roles of the node  |
+| trainer{r}    |                  | (areal/cores.py; overlaps the spans above)                  |
 
 Recording costs a dict, a json.dumps and a list append: a process-wide EventLog is set up
 once by `configure` (areal.worker, the embedded server), and `span`/`record` do nothing in
@@ -55,6 +57,7 @@ KINDS = {
     "publish": "publishing weights",
     "checkpoint": "saving a checkpoint",
     "update_weights": "weight update fan-out",
+    "borrow": "on cores a waiting role lent",
 }
 """Every span kind and what it means (the report's legend)."""
 

@@ -32,6 +32,7 @@ class Span:
     start: float  # seconds since the timeline's origin
     end: float
     version: int | None
+    lent: int = 0  # a borrow span's shares borrowed from waiting roles (areal/cores.py)
 
 
 @dataclass
@@ -158,7 +159,7 @@ def lanes(run: Run) -> dict[str, list[Span]]:
     out: dict[str, list[Span]] = {}
     for e in run.events:
         out.setdefault(e["role"], []).append(
-            Span(e["kind"], e["start"] - t0, e["end"] - t0, e.get("version"))
+            Span(e["kind"], e["start"] - t0, e["end"] - t0, e.get("version"), e.get("lent", 0))
         )
     return {name: out[name] for name in sorted(out, key=lane_order)}
 
@@ -176,7 +177,8 @@ def version_marks(run: Run) -> list[tuple[int, float]]:
 
 
 def time_shares(spans: list[Span]) -> dict[str, float]:
-    """Share of a lane's extent (first start to last end) covered by each kind."""
+    """Share of a lane's extent (first start to last end) covered by each kind (a borrow
+    span overlaps the work it speeds up)."""
     if not spans:
         return {}
     extent = max(s.end for s in spans) - min(s.start for s in spans)
@@ -206,10 +208,11 @@ held by the staleness bound) is idle."""
 
 
 def idle_while_busy_share(lanes_: dict[str, list[Span]]) -> float:
-    """Share of the run in which a server or trainer lane is idle while another computes: the
-    time a core could have moved to the role with work (issue 28's yardstick). Counted from
-    when every such lane has started to when the first one ends (start-up and shut-down are
-    not a steady state); NaN with fewer than two such lanes."""
+    """Share of the run in which a server or trainer lane is idle, its core not lent (a
+    `borrow` span of a peer), while another computes: the time a core could have moved to
+    the role with work (issue 28's yardstick). Counted from when every such lane has
+    started to when the first one ends (start-up and shut-down are not a steady state);
+    NaN with fewer than two such lanes."""
     busy: dict[str, list[tuple[float, float]]] = {}
     for name, spans in lanes_.items():
         work = WORK_KINDS.get(name.rstrip("0123456789"))
@@ -221,9 +224,16 @@ def idle_while_busy_share(lanes_: dict[str, list[Span]]) -> float:
     end = min(max(s.end for s in lanes_[n]) for n in busy)
     if end <= start:
         return float("nan")
-    # Sweep the merged busy intervals of every lane, counting lanes at work.
-    edges: list[tuple[float, int]] = []
-    for intervals in busy.values():
+    # Sweep the merged busy intervals of every lane and the borrow spans: (time, lanes at
+    # work, shares lent).
+    edges: list[tuple[float, int, int]] = []
+
+    def add(a: float, b: float, working: int, lent: int) -> None:
+        a, b = max(a, start), min(b, end)
+        if a < b:
+            edges.extend([(a, working, lent), (b, -working, -lent)])
+
+    for name, intervals in busy.items():
         merged: list[list[float]] = []
         for a, b in sorted(intervals):
             if merged and a <= merged[-1][1]:
@@ -231,14 +241,15 @@ def idle_while_busy_share(lanes_: dict[str, list[Span]]) -> float:
             else:
                 merged.append([a, b])
         for a, b in merged:
-            a, b = max(a, start), min(b, end)
-            if a < b:
-                edges += [(a, 1), (b, -1)]
-    idle, working, t = 0.0, 0, start
-    for time, step in sorted(edges):
-        if 0 < working < len(busy):
+            add(a, b, 1, 0)
+        for s in lanes_[name]:
+            if s.kind == "borrow":
+                add(s.start, s.end, 0, s.lent)
+    idle, working, lent, t = 0.0, 0, 0, start
+    for time, d_working, d_lent in sorted(edges):
+        if 0 < working and len(busy) - working > lent:
             idle += time - t
-        working, t = working + step, time
+        working, lent, t = working + d_working, lent + d_lent, time
     return idle / (end - start)
 
 
@@ -283,6 +294,6 @@ def format_summary(s: dict) -> str:
         lines.append("  time spent waiting: no events recorded (stats.events=false?)")
     if not math.isnan(s["idle_while_busy"]):
         lines.append(
-            f"  a lane idle while another computes: {100 * s['idle_while_busy']:.0f}% of the run"
+            f"  a lane idle, its core not lent, while another computes: {100 * s['idle_while_busy']:.0f}% of the run"
         )
     return "\n".join(lines)

@@ -34,6 +34,7 @@ COLORS = {
     "publish": "#8e24aa",
     "checkpoint": "#6d4c41",
     "update_weights": "#00897b",
+    "borrow": "#212121",
 }
 assert set(COLORS) == set(KINDS)
 ZOOM_VERSIONS = 6
@@ -146,9 +147,9 @@ def _draw_lanes(
                 # In a close-up, a thin white edge separates back-to-back spans (the
                 # minibatch updates); over a whole run it would hide the short ones.
                 edge = 0.4 if window is not None else 0
-                ax.broken_barh(
-                    bars, (y - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=edge
-                )
+                # A borrow span overlaps the work it speeds up: a strip along the lane's foot.
+                band = (y - 0.4, 0.16) if kind == "borrow" else (y - 0.4, 0.8)
+                ax.broken_barh(bars, band, facecolors=color, edgecolors="white", linewidth=edge)
     for version, t in marks:
         if window is None or window[0] <= t <= window[1]:
             ax.axvline(t, color="k", lw=0.6, ls="--", alpha=0.5 if label_marks else 0.2)
@@ -185,7 +186,7 @@ def timeline_figure(run: data.Run) -> Figure:
         axes[1, 0].set_title(f"close-up: {ZOOM_VERSIONS} versions mid-run", fontsize=9)
     kinds = [k for k in COLORS if any(s.kind == k for spans in lanes.values() for s in spans)]
     share = data.idle_while_busy_share(lanes)
-    idle = "" if np.isnan(share) else f" (a lane idle while another computes: {share:.0%})"
+    idle = "" if np.isnan(share) else f" (a lane idle, its core not lent, while another computes: {share:.0%})"
     fig.suptitle(f"{run.label}: timeline{idle}")
     fig.tight_layout()
     fig.legend(

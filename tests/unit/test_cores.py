@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from areal import cores
+from areal import cores, events
 from areal.cores import BORROW_AFTER_S, Cores, node_cores
 from areal.rollout.engine import DecodeEngine, SamplingParams
 
@@ -77,6 +77,28 @@ def test_threads_mean_counts_working_time_only(tmp_path, monkeypatch) -> None:
     time.sleep(0.2)  # waiting: not counted
     expected = ((t1 - t0) + 2 * (t2 - t1)) / (t2 - t0)
     assert a.threads_mean() == pytest.approx(expected, abs=0.05)
+
+
+def test_computing_on_lent_cores_is_recorded_as_a_borrow_span(tmp_path, monkeypatch) -> None:
+    log = events.EventLog(tmp_path / "events/trainer0.jsonl", "trainer0")
+    monkeypatch.setattr(events, "_log", log)
+    a, b = pair(tmp_path)
+    a.work()
+    b.wait()
+    time.sleep(BORROW_AFTER_S + 0.01)
+    t0 = time.time()
+    assert a.adapt() == 2
+    a.adapt()  # still borrowing: one span goes on
+    time.sleep(0.05)
+    a.wait()  # a waiting role's threads sleep: the span ends
+    t1 = time.time()
+    a.work()  # still lent: a new span
+    a.wait()
+    log.flush()
+    spans = events.read_events(tmp_path)
+    assert [(s["role"], s["kind"], s["lent"]) for s in spans] == [("trainer0", "borrow", 1)] * 2
+    assert t0 - 0.01 <= spans[0]["start"] and 0.05 <= spans[0]["end"] - spans[0]["start"]
+    assert spans[0]["end"] <= t1 <= spans[1]["start"]
 
 
 def test_the_trainer_borrows_and_hands_back_layer_by_layer(tmp_path) -> None:

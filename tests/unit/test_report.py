@@ -108,7 +108,7 @@ def test_summary_and_its_text(tmp_path):
     assert "exp/t1: 10 steps in 20.0s" in text
     assert "final +5.00, best +5.00 (step 10)" in text
     assert "server0 25% (not generating), trainer0 25%" in text
-    assert "a lane idle while another computes: 50% of the run" in text
+    assert "a lane idle, its core not lent, while another computes: 50% of the run" in text
 
 
 def span(kind, start, end):
@@ -130,6 +130,17 @@ def test_idle_while_busy_counts_only_one_lane_waiting_for_another():
     late = {"server0": [span("generate", 0, 10)], "trainer0": [span("update", 4, 8)]}
     assert data.idle_while_busy_share(late) == 0.0
     assert np.isnan(data.idle_while_busy_share({"server0": [span("generate", 0, 1)]}))
+
+
+def test_a_lane_whose_core_is_lent_is_not_idle():
+    lanes = {
+        "server0": [span("generate", 0, 4), span("generate", 6, 10)],
+        "trainer0": [span("update", 0, 10), data.Span("borrow", 4.5, 6, None, 1)],
+    }
+    assert data.idle_while_busy_share(lanes) == pytest.approx(0.05)  # 4-4.5 only
+    # Three lanes: one borrowed share covers one of two idle lanes, not both.
+    lanes["trainer1"] = [span("update", 0, 4), span("update", 6, 10)]
+    assert data.idle_while_busy_share(lanes) == pytest.approx(0.2)  # 4-6 (one unlent)
 
 
 def test_figures_draw_the_extracted_series(tmp_path):
