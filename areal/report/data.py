@@ -294,6 +294,7 @@ def format_summary(s: dict) -> str:
         lines.append("  time spent waiting: no events recorded (stats.events=false?)")
     if not math.isnan(s["idle_while_busy"]):
         lines.append(
-            f"  a lane idle, its core not lent, while another computes: {100 * s['idle_while_busy']:.0f}% of the run"
+            "  a lane idle, its core not lent, while another computes: "
+            f"{100 * s['idle_while_busy']:.0f}% of the run"
         )
     return "\n".join(lines)

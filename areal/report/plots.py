@@ -186,7 +186,11 @@ def timeline_figure(run: data.Run) -> Figure:
         axes[1, 0].set_title(f"close-up: {ZOOM_VERSIONS} versions mid-run", fontsize=9)
     kinds = [k for k in COLORS if any(s.kind == k for spans in lanes.values() for s in spans)]
     share = data.idle_while_busy_share(lanes)
-    idle = "" if np.isnan(share) else f" (a lane idle, its core not lent, while another computes: {share:.0%})"
+    idle = (
+        ""
+        if np.isnan(share)
+        else f" (a lane idle, its core not lent, while another computes: {share:.0%})"
+    )
     fig.suptitle(f"{run.label}: timeline{idle}")
     fig.tight_layout()
     fig.legend(
