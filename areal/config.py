@@ -82,7 +82,7 @@ class ModelConfig(_Section):
     tiny_warmup_steps: int = 200
     """Supervised warm-up steps of the tiny model, so RL starts from a model that knows the format."""  # noqa: E501
     dtype: str = "float32"
-    """Parameter dtype: float32, bfloat16 or float16."""
+    """Compute dtype: float32, bfloat16 or float16 (inference servers run in it; the torch trainer keeps float32 weights and Adam and computes under autocast to it; megatron's parameters)."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -372,7 +372,7 @@ class TrainerConfig(_Section):
     save_freq_s: float = 600.0
     """Save a checkpoint when this many seconds passed since the last one (0: off); what a recovery loses at most."""  # noqa: E501
     save_dtype: str = "bfloat16"
-    """dtype of the HF weights the megatron backend publishes (the torch backend keeps model.dtype)."""  # noqa: E501
+    """dtype of the HF weights the megatron backend publishes (the torch backend publishes its float32 weights)."""  # noqa: E501
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -4,6 +4,7 @@ and both against the machine's limit.
     pip install -c constraints.txt trl     # constraints.txt: torch==2.13.0+cpu (keeps torch)
     python benchmarks/vs_trl.py [--geometries 145k:32:8:8,4m:128:8:8,4m:64:16:4]
         [--steps 60] [--repeats 1] [--etas 0,4] [--fixed-split] [--limit-steps 3] [--skip-trl]
+        [--dtype float32]
 
 A geometry is shape:new:prompts:group: the model shape of benchmarks/engine.py (145k:
 hidden 64, 2 layers; 4m: hidden 256, intermediate 1024, 4 layers), the new tokens per
@@ -12,6 +13,9 @@ Both sides train the same random-initialised Qwen2 (the tiny tokenizer) on the t
 sums (same prompts, same grader), one optimizer step per step (areal: ppo.n_minibatches=1,
 trainer.batch_size=prompts, rollout.group_size=group; TRL: per_device_train_batch_size=
 prompts x group, num_generations=group), temperature 1, no KL term, learning rate 1e-3.
+With --dtype bfloat16 both compute in bfloat16: areal model.dtype=bfloat16 (servers in
+bfloat16, the trainer under autocast with float32 weights), TRL bf16=True (autocast), and
+the limit with the engine and trainer in the same dtype.
 
 Effective training throughput, counted the same way for all: completion tokens that enter
 the update per second of wall time, over the steps after warm-up (the first fifth left
@@ -101,8 +105,8 @@ def make_model(shape: str, out: Path) -> Path:
     return out
 
 
-def areal_overrides(model: Path | str, geo: Geometry, eta: int) -> list[str]:
-    return [
+def areal_overrides(model: Path | str, geo: Geometry, eta: int, dtype: str) -> list[str]:
+    return [f"model.dtype={dtype}",
         f"model.path={model}", f"max_staleness={eta}", f"rollout.max_new_tokens={geo.new}",
         f"rollout.group_size={geo.group}", f"trainer.batch_size={geo.prompts}",
         f"dataset.max_operand={MAX_OPERAND}", "ppo.n_minibatches=1", f"trainer.lr={LR}",
@@ -114,9 +118,16 @@ FIXED_SPLIT = ["launcher.lend_idle_cores=false"]
 
 
 def run_areal(
-    model: Path, geo: Geometry, eta: int, steps: int, root: str, name: str, extra: list[str]
+    model: Path,
+    geo: Geometry,
+    eta: int,
+    steps: int,
+    root: str,
+    name: str,
+    extra: list[str],
+    dtype: str = "float32",
 ) -> float:
-    overrides = areal_overrides(model, geo, eta) + extra
+    overrides = areal_overrides(model, geo, eta, dtype) + extra
     return effective_throughput(train_tiny(root, name, steps, overrides))
 
 
@@ -129,16 +140,16 @@ def worker(*args: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def run_trl(model: Path, geo: Geometry, steps: int, out: str) -> float:
-    return float(worker("--trl-worker", str(model), str(geo), str(steps), out))
+def run_trl(model: Path, geo: Geometry, steps: int, dtype: str, out: str) -> float:
+    return float(worker("--trl-worker", str(model), str(geo), str(steps), dtype, out))
 
 
-def run_limit(model: Path, geo: Geometry, steps: int) -> dict[str, float]:
+def run_limit(model: Path, geo: Geometry, steps: int, dtype: str) -> dict[str, float]:
     """{"gen_s", "train_s" (core-seconds), "tokens"} per step, medians."""
-    return json.loads(worker("--limit-worker", str(model), str(geo), str(steps)))
+    return json.loads(worker("--limit-worker", str(model), str(geo), str(steps), dtype))
 
 
-def trl_worker(model: str, geo: Geometry, steps: int, out: str) -> None:
+def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, out: str) -> None:
     # This script's folder leaves the import path: its vllm.py would pass for vLLM in
     # TRL's availability check (and fail it: no version).
     here = Path(__file__).resolve().parent
@@ -172,6 +183,7 @@ def trl_worker(model: str, geo: Geometry, steps: int, out: str) -> None:
         max_completion_length=geo.new, learning_rate=LR, beta=0.0, temperature=1.0,
         logging_steps=1, max_steps=steps, report_to="none", save_strategy="no", use_cpu=True,
         lr_scheduler_type="constant", warmup_steps=0, disable_tqdm=True, seed=1,
+        bf16=dtype == "bfloat16",
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model),
@@ -183,7 +195,7 @@ def trl_worker(model: str, geo: Geometry, steps: int, out: str) -> None:
     print(effective_throughput(steps))
 
 
-def limit_worker(model: str, geo: Geometry, steps: int) -> None:
+def limit_worker(model: str, geo: Geometry, steps: int, dtype: str) -> None:
     """One thread: the engine generates a step's batch, the trainer trains on it; prints
     the medians of --limit-steps steps after one warm-up, as JSON."""
     import torch
@@ -200,7 +212,7 @@ def limit_worker(model: str, geo: Geometry, steps: int) -> None:
     from areal.trajectory import Trajectory
 
     torch.set_num_threads(1)
-    overrides = [*areal_overrides(model, geo, 0), f"total_train_steps={steps + 1}"]
+    overrides = [*areal_overrides(model, geo, 0, dtype), f"total_train_steps={steps + 1}"]
     cfg = load_config(str(TINY), overrides)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -209,7 +221,7 @@ def limit_worker(model: str, geo: Geometry, steps: int) -> None:
     inf = cfg.inference
     engine = DecodeEngine(
         model, max_batch_size=inf.max_batch_size, max_total_tokens=inf.max_total_tokens,
-        seed=cfg.seed, num_threads=1,
+        seed=cfg.seed, num_threads=1, dtype=getattr(torch, dtype),
     )  # fmt: skip
     backend, dp = make_backend(cfg, model, DataParallel())
     params = SamplingParams(max_new_tokens=geo.new, temperature=cfg.rollout.temperature)
@@ -251,12 +263,12 @@ def limit_worker(model: str, geo: Geometry, steps: int) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("--trl-worker", "--limit-worker"):
-        model, geo, steps, *rest = sys.argv[2:]
+        model, geo, steps, dtype, *rest = sys.argv[2:]
         geo = Geometry.parse(geo)
         if sys.argv[1] == "--trl-worker":
-            trl_worker(model, geo, int(steps), rest[0])
+            trl_worker(model, geo, int(steps), dtype, rest[0])
         else:
-            limit_worker(model, geo, int(steps))
+            limit_worker(model, geo, int(steps), dtype)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -270,6 +282,7 @@ def main() -> None:
     parser.add_argument("--etas", default="0,4", help="areal's max_staleness, comma-separated")
     parser.add_argument("--limit-steps", type=int, default=3, help="after one warm-up step")
     parser.add_argument("--skip-trl", action="store_true", help="areal and the limit only")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--fixed-split", action="store_true", help="each eta also with lend_idle_cores=false"
     )
@@ -291,12 +304,15 @@ def main() -> None:
             for r in range(args.repeats):  # interleaved: all see the same machine
                 tag = f"{geo.shape}-{geo.new}-{geo.prompts}x{geo.group}-{r}"
                 if not args.skip_trl:
-                    res["trl"].append(run_trl(model, geo, args.steps, f"{root}/trl-{tag}"))
+                    trl = run_trl(model, geo, args.steps, args.dtype, f"{root}/trl-{tag}")
+                    res["trl"].append(trl)
                 for name, eta, extra in variants:
                     res[name].append(
-                        run_areal(model, geo, eta, args.steps, root, f"{tag}-{name}", extra)
+                        run_areal(
+                            model, geo, eta, args.steps, root, f"{tag}-{name}", extra, args.dtype
+                        )
                     )
-                lim = run_limit(model, geo, args.limit_steps)
+                lim = run_limit(model, geo, args.limit_steps, args.dtype)
                 res["limit"].append(lim["tokens"] / ((lim["gen_s"] + lim["train_s"]) / cores))
                 print(
                     f"  {geo} repeat {r}: "

@@ -73,6 +73,7 @@ def server_command(
             # node's cores, and the ledger through which it lends and borrows them).
             "--num-threads": inf.num_threads,
             "--seed": cfg.seed + k,
+            "--dtype": cfg.model.dtype,
             "--weight-version": version,
         }
         if cfg.stats.events:

@@ -15,7 +15,8 @@ until the model is loaded, which happens after the port is open.
 
     python -m areal.rollout.server --model DIR --port N [--host 127.0.0.1]
         [--max-batch-size 64] [--max-total-tokens 0] [--seed 0] [--num-threads 1]
-        [--weight-version 0] [--api-key KEY] [--weights-root DIR ...] [--events-file F]
+        [--dtype float32] [--weight-version 0] [--api-key KEY] [--weights-root DIR ...]
+        [--events-file F]
 
 With an API key (--api-key, or AREAL_API_KEY in the environment) every request but /health
 needs `Authorization: Bearer KEY` (areal/rollout/auth.py); without one the server is open,
@@ -34,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -46,6 +48,13 @@ from areal.rollout.engine import DecodeEngine
 from areal.rollout.http_error import BadRequest
 
 logger = logging.getLogger(__name__)
+
+SERVER_DTYPES = {
+    "float32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+"""--dtype: SGLang's names (but for "auto": the run always says which)."""
 
 STATE_KEY = web.AppKey("state", dict)
 """The app's state: the DecodeEngine (None until loaded), the tokenizer path, the weight
@@ -268,6 +277,7 @@ async def serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             num_threads=role_cores(args.num_threads),
             weight_version=args.weight_version,
+            dtype=SERVER_DTYPES[args.dtype],
         )
     except (OSError, ValueError) as e:
         print(f"cannot load the model from {args.model}: {e}", file=sys.stderr)
@@ -307,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="KV-cache budget in tokens (rows x longest request); 0: a quarter of free memory",
     )
+    parser.add_argument(
+        "--dtype", choices=SERVER_DTYPES, default="float32",
+        help="the model's dtype while generating (SGLang's names); weights loaded later are "
+        "cast to it",
+    )  # fmt: skip
     parser.add_argument(
         "--weight-version", type=api.parse_weight_version, default=0,
         help="the version of --model's weights (an integer; SGLang's \"default\" is 0)",

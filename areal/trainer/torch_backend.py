@@ -23,6 +23,13 @@ model's attention is set to packed_attention.ATTN_IMPLEMENTATION, which takes th
 of near-equal ones, as its cost model finds cheaper; see that module for the measurements
 behind the choice. Both equal per-sequence forwards (tests/unit/test_step.py,
 tests/unit/test_packed_attention.py).
+
+`dtype` (model.dtype) is the compute dtype: the parameters, their gradients and Adam's
+moments stay float32 (Adam on bfloat16 parameters would drop every update below their 3
+significant digits) and the forward and backward run under torch.autocast to bfloat16 or
+float16, as AMP does. The published and checkpointed weights are the float32 ones; a
+server in bfloat16 casts them as it loads. On this repository's 2-core CPU (avx512_bf16, no
+AMX) bfloat16 trains the 4M-parameter model's 4,096-token batch 1.43x as fast.
 """
 
 from __future__ import annotations
@@ -65,8 +72,9 @@ class TorchBackend:
         hf_logging.disable_progress_bar()  # one bar per published version would flood the log
         self.model_dir = Path(model_dir)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[dtype])
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.to(self.device)
+        self.compute_dtype = DTYPES[dtype]
         self.temperature = temperature
         self.grad_clip = grad_clip
         self.lr, self.warmup_steps, self.n_steps = lr, warmup_steps, 0
@@ -107,12 +115,13 @@ class TorchBackend:
         positions = scored.nonzero()[:, 0]
         # FA2 reads the boundaries from the position ids; packed_sdpa from cu_seq_lens_q.
         bounds = {} if self._packed_by_position else {"cu_seq_lens_q": cu_seqlens}
-        logits = self.model(
-            input_ids=input_ids[None].to(self.device),
-            position_ids=position_ids[None].to(self.device),
-            logits_to_keep=positions.to(self.device),
-            **bounds,
-        ).logits[0]  # [scored, V]
+        with self._autocast():
+            logits = self.model(
+                input_ids=input_ids[None].to(self.device),
+                position_ids=position_ids[None].to(self.device),
+                logits_to_keep=positions.to(self.device),
+                **bounds,
+            ).logits[0]  # [scored, V]
         logits = logits.float() / self.temperature
         labels = input_ids[positions + 1].to(self.device)
         token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, labels[:, None])[:, 0]
@@ -125,11 +134,17 @@ class TorchBackend:
         """Full-vocabulary logits [T, V] of the packed stream, without temperature."""
         input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
         bounds = {} if self._packed_by_position else {"cu_seq_lens_q": cu_seqlens}
-        return self.model(
-            input_ids=input_ids[None].to(self.device),
-            position_ids=position_ids[None].to(self.device),
-            **bounds,
-        ).logits[0]
+        with self._autocast():
+            return self.model(
+                input_ids=input_ids[None].to(self.device),
+                position_ids=position_ids[None].to(self.device),
+                **bounds,
+            ).logits[0]
+
+    def _autocast(self) -> torch.autocast:
+        """The forward in the compute dtype (the backward follows it); off for float32."""
+        on = self.compute_dtype != torch.float32
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=on)
 
     def forward(
         self,

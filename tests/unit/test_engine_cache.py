@@ -237,6 +237,28 @@ def test_token_budget_queues_what_does_not_fit_and_refuses_what_never_fits(model
         engine.shutdown()
 
 
+def test_a_bfloat16_engine_generates_and_loads_float32_weights_cast(models):
+    """--dtype bfloat16: the model and its cache are bfloat16, float32 weights loaded later
+    are cast to it, and log-probs are the bfloat16 model's (float32 ones within its noise)."""
+    eng = DecodeEngine(str(models["dir"] / "model"), max_batch_size=4, seed=3,
+                       max_total_tokens=4 * 200, dtype=torch.bfloat16)  # fmt: skip
+    try:
+        assert {p.dtype for p in eng.model.parameters()} == {torch.bfloat16}
+        ok, message, _ = eng.update_weights(str(models["dir"] / "weights_b"), weight_version=1)
+        assert ok, message
+        for name, p in models["b"].state_dict().items():
+            assert torch.equal(eng.model.state_dict()[name], p.bfloat16()), name
+        prompt = _prompts(3)[2]
+        r = eng.submit("r", prompt, _params(12)).result(timeout=60)
+        ref = _reference(eng.model, prompt, r.output_ids)
+        assert torch.allclose(torch.tensor(r.logprobs), ref.float(), atol=0.05)
+        assert (
+            torch.tensor(r.logprobs) - _reference(models["b"], prompt, r.output_ids)
+        ).abs().max() < 0.2
+    finally:
+        eng.shutdown()
+
+
 def test_other_architectures_are_refused_with_a_clear_message():
     from transformers import GPT2Config, GPT2LMHeadModel
 

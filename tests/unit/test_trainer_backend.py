@@ -137,3 +137,31 @@ def test_torch_logits_give_the_log_prob_stream(model_dir):
         ]
     )
     torch.testing.assert_close(backend.logprobs(SEQS).detach(), ref, atol=1e-5, rtol=0)
+
+
+def test_a_bfloat16_trainer_keeps_float32_weights_and_adam(model_dir):
+    """model.dtype=bfloat16: the forward runs in bfloat16 (log-probs within bfloat16's
+    noise of float32's, not equal), the parameters and Adam's moments stay float32, and an
+    update far below bfloat16's resolution is kept."""
+    fp32 = make_backend(model_dir)
+    bf16 = TorchBackend(
+        model_dir, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8,
+        grad_clip=1.0, warmup_steps=0, dtype="bfloat16", device="cpu",
+    )  # fmt: skip
+    with torch.no_grad():
+        want, got = fp32.logprobs(SEQS), bf16.logprobs(SEQS)
+    assert got.dtype == torch.float32
+    assert 0 < (got - want).abs().max() < 0.1
+    before = {n: p.detach().clone() for n, p in bf16.model.named_parameters()}
+    _step(bf16, 0)
+    for name, p in bf16.model.named_parameters():
+        assert p.dtype == torch.float32, name
+        assert all(v.dtype == torch.float32 for v in bf16.optimizer.state[p].values()), name
+    moved = [n for n, p in bf16.model.named_parameters() if not torch.equal(p, before[n])]
+    assert moved, "an update of lr 1e-6 was lost"
+    # A bfloat16 parameter of these magnitudes could not hold any of these changes.
+    lost = [
+        n for n in moved
+        if torch.equal(before[n].bfloat16(), dict(bf16.model.named_parameters())[n].bfloat16())
+    ]  # fmt: skip
+    assert lost, "the test's step is not below bfloat16's resolution"
