@@ -16,15 +16,10 @@ is shared storage, and a checkpoint must be safe to load from anyone's experimen
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load_file, save_file
 
 from areal.weights import version_name, versions_in, write_atomically
 
@@ -68,65 +63,16 @@ def save(exp_dir: str | Path, version: int, write: Callable[[Path], None]) -> Ch
     return Checkpoint(version, final)
 
 
-# ---- tensors apart from structure: safetensors + JSON instead of pickle ----------------------
-def _key(k: Any) -> Any:
-    """A dict key as JSON: Megatron's optimizer state is keyed by ints and (dtype, dtype)."""
-    if isinstance(k, torch.dtype):
-        return {"__dtype__": str(k).removeprefix("torch.")}
-    if isinstance(k, tuple):
-        return {"__tuple__": [_key(x) for x in k]}
-    return k
-
-
-def _unkey(k: Any) -> Any:
-    if isinstance(k, dict) and "__dtype__" in k:
-        return getattr(torch, k["__dtype__"])
-    if isinstance(k, dict) and "__tuple__" in k:
-        return tuple(_unkey(x) for x in k["__tuple__"])
-    return k
-
-
-def _split(obj: Any, tensors: dict[str, torch.Tensor], prefix: str):
-    if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj.detach().cpu().contiguous()
-        return {"__tensor__": prefix}
-    if isinstance(obj, dict):
-        # JSON keys are strings: remember the int (and dtype) keys of optimizer state.
-        return {
-            "__dict__": [
-                [_key(k), _split(v, tensors, f"{prefix}.{n}")]
-                for n, (k, v) in enumerate(obj.items())
-            ]
-        }
-    if isinstance(obj, (list, tuple)):
-        return [_split(v, tensors, f"{prefix}.{i}") for i, v in enumerate(obj)]
-    if isinstance(obj, torch.dtype):
-        return _key(obj)
-    return obj
-
-
-def _join(obj: Any, tensors: dict[str, torch.Tensor]):
-    if isinstance(obj, dict) and "__tensor__" in obj:
-        return tensors[obj["__tensor__"]]
-    if isinstance(obj, dict) and "__dict__" in obj:
-        return {_unkey(k): _join(v, tensors) for k, v in obj["__dict__"]}
-    if isinstance(obj, dict) and "__dtype__" in obj:
-        return _unkey(obj)
-    if isinstance(obj, list):
-        return [_join(v, tensors) for v in obj]
-    return obj
-
-
 def _save(directory: Path, tensors_name: str, tree_name: str, state: dict) -> None:
-    tensors: dict[str, torch.Tensor] = {}
-    tree = _split(state, tensors, "s")
-    save_file(tensors, str(directory / tensors_name))
-    (directory / tree_name).write_text(json.dumps(tree))
+    from areal.tensor_tree import save_tree  # torch: not in the launcher
+
+    save_tree(directory, tensors_name, tree_name, state)
 
 
 def _load(directory: Path, tensors_name: str, tree_name: str) -> dict:
-    tensors = load_file(str(directory / tensors_name))
-    return _join(json.loads((directory / tree_name).read_text()), tensors)
+    from areal.tensor_tree import load_tree
+
+    return load_tree(directory, tensors_name, tree_name)
 
 
 def save_trainer_state(directory: Path, state: dict) -> None:

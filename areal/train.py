@@ -80,8 +80,6 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
     (exp / "logs").mkdir()
     create_key(exp)
     if not cfg.model.path:
-        from areal.models.tiny import make_tiny_model
-
         m = cfg.model
         # Tasks without warm-up data (math, code) get the arith model: it knows digits and turns.
         warm = cfg.dataset.type if task.warmup is not None else "arith"
@@ -90,10 +88,13 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
             f"{f'-a{m.tiny_heads}' if m.tiny_heads != 4 else ''}"
             f"-w{m.tiny_warmup_steps}-m{cfg.dataset.max_operand}-s{cfg.seed}"
         )
-        print(f"areal: using the tiny model {Path(cfg.fileroot) / 'models' / name}")
-        cfg.model.path = str(
+        path = Path(cfg.fileroot) / "models" / name
+        print(f"areal: using the tiny model {path}")
+        if not (path / "config.json").exists():  # made once (torch: not imported otherwise)
+            from areal.models.tiny import make_tiny_model
+
             make_tiny_model(
-                Path(cfg.fileroot) / "models" / name,
+                path,
                 seed=cfg.seed,
                 hidden=m.tiny_hidden,
                 layers=m.tiny_layers,
@@ -102,7 +103,7 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
                 max_operand=cfg.dataset.max_operand,
                 task=warm,
             )
-        )
+        cfg.model.path = str(path)
     if not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(
             f"model.path={cfg.model.path!r} holds no config.json: point it at a Hugging Face "
