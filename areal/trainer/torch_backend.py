@@ -27,9 +27,10 @@ tests/unit/test_packed_attention.py).
 `dtype` (model.dtype) is the compute dtype: the parameters, their gradients and Adam's
 moments stay float32 (Adam on bfloat16 parameters would drop every update below their 3
 significant digits) and the forward and backward run under torch.autocast to bfloat16 or
-float16, as AMP does (float16 without AMP's loss scaling: prefer bfloat16). The published and checkpointed weights are the float32 ones; a
-server in bfloat16 casts them as it loads. On this repository's 2-core CPU (avx512_bf16, no
-AMX) bfloat16 trains the 4M-parameter model's 4,096-token batch 1.43x as fast.
+float16, as AMP does (float16 without AMP's loss scaling: prefer bfloat16). The published
+and checkpointed weights are the float32 ones; a server in bfloat16 casts them as it
+loads. On this repository's 2-core CPU (avx512_bf16, no AMX) bfloat16 trains the
+4M-parameter model's 4,096-token batch 1.43x as fast.
 """
 
 from __future__ import annotations
