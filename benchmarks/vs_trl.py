@@ -106,9 +106,10 @@ def make_model(shape: str, out: Path) -> Path:
 
 
 def areal_overrides(model: Path | str, geo: Geometry, eta: int, dtype: str) -> list[str]:
-    return [f"model.dtype={dtype}",
-        f"model.path={model}", f"max_staleness={eta}", f"rollout.max_new_tokens={geo.new}",
-        f"rollout.group_size={geo.group}", f"trainer.batch_size={geo.prompts}",
+    return [
+        f"model.path={model}", f"model.dtype={dtype}", f"max_staleness={eta}",
+        f"rollout.max_new_tokens={geo.new}", f"rollout.group_size={geo.group}",
+        f"trainer.batch_size={geo.prompts}",
         f"dataset.max_operand={MAX_OPERAND}", "ppo.n_minibatches=1", f"trainer.lr={LR}",
         "trainer.warmup_steps_ratio=0", "trainer.mb_spec.max_tokens_per_mb=8192",
     ]  # fmt: skip
@@ -125,7 +126,7 @@ def run_areal(
     root: str,
     name: str,
     extra: list[str],
-    dtype: str = "float32",
+    dtype: str,
 ) -> float:
     overrides = areal_overrides(model, geo, eta, dtype) + extra
     return effective_throughput(train_tiny(root, name, steps, overrides))

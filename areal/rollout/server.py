@@ -49,13 +49,6 @@ from areal.rollout.http_error import BadRequest
 
 logger = logging.getLogger(__name__)
 
-SERVER_DTYPES = {
-    "float32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16,
-}  # fmt: skip
-"""--dtype: SGLang's names (but for "auto": the run always says which)."""
-
 STATE_KEY = web.AppKey("state", dict)
 """The app's state: the DecodeEngine (None until loaded), the tokenizer path, the weight
 roots and the ServerActivity."""
@@ -277,7 +270,7 @@ async def serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             num_threads=role_cores(args.num_threads),
             weight_version=args.weight_version,
-            dtype=SERVER_DTYPES[args.dtype],
+            dtype=getattr(torch, args.dtype),
         )
     except (OSError, ValueError) as e:
         print(f"cannot load the model from {args.model}: {e}", file=sys.stderr)
@@ -318,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         help="KV-cache budget in tokens (rows x longest request); 0: a quarter of free memory",
     )
     parser.add_argument(
-        "--dtype", choices=SERVER_DTYPES, default="float32",
-        help="the model's dtype while generating (SGLang's names); weights loaded later are "
-        "cast to it",
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        help="the model's dtype while generating (model.dtype, as SGLang's flag); weights "
+        "loaded later are cast to it",
     )  # fmt: skip
     parser.add_argument(
         "--weight-version", type=api.parse_weight_version, default=0,
