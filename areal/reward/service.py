@@ -10,7 +10,8 @@ that a slow or crashing grader never blocks the service and so that graders need
 thread (signals) have one. A grader error or a timeout scores the response as wrong and is
 counted; it never fails the request. The pool is pebble's: it kills a grading process that
 outlives its timeout (and only that one) and starts another in its place, and reports a
-process that died as ProcessExpired.
+process that died as ProcessExpired. A task whose grader is a regex (Task.grade_inline) is
+graded in the service's own process: the pool's round trip would cost more.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class RewardService:
         self.wrong = cfg.wrong
         self.cfg = cfg
         self.options: dict[str, dict] = {}  # task -> its grader's options, made on first use
+        self.inline: dict[str, Any] = {}  # task -> its grader, for Task.grade_inline
         # Probed once here, before the pool forks, so its processes inherit the answer.
         try:
             mode = sandbox.mode()
@@ -69,10 +71,14 @@ class RewardService:
             for module in grader.grader_imports:  # before the pool forks (on its first use)
                 importlib.import_module(module)
             self.options[task] = grader.grader_options(self.cfg)
+            if grader.grade_inline:
+                self.inline[task] = grader.is_correct
         verdicts = await asyncio.gather(*(self._grade(task, r, answer) for r in responses))
         return [self.correct if ok else self.wrong for ok in verdicts]
 
     async def _grade(self, task: str, response: str, answer: Any) -> bool:
+        if task in self.inline:
+            return self._grade_inline(task, response, answer)
         async with self.slots:
             return await self._grade_now(task, response, answer)
 
@@ -93,6 +99,15 @@ class RewardService:
             self.counts["errors"] += 1
             log.warning("grader error (%s: %s); scored wrong", type(e).__name__, e)
         return False
+
+    def _grade_inline(self, task: str, response: str, answer: Any) -> bool:
+        self.counts["graded"] += 1
+        try:
+            return bool(self.inline[task](response, answer, **self.options[task]))
+        except Exception as e:  # as in the pool: a grader bug scores wrong, counted
+            self.counts["errors"] += 1
+            log.warning("grader error (%s: %s); scored wrong", type(e).__name__, e)
+            return False
 
     async def stats(self) -> dict:
         counts, self.counts = self.counts, {"graded": 0, "timeouts": 0, "errors": 0}

@@ -4,7 +4,8 @@
                  | "package.module:object"                  (a Task of your own)
         load_task(spec) --> Task
             .generate(dataset_cfg, seed) | .from_record(record)  -> rows (areal.data.dataset)
-            .is_correct(response, answer, **.grader_options(cfg.reward))  (reward service pool)
+            .is_correct(response, answer, **.grader_options(cfg.reward))  (reward service pool,
+                                                   or the service itself: .grade_inline)
             .warmup(dataset_cfg, seed)  -> the tiny model's supervised batches (models/tiny.py):
                 (prompt, answer) pairs, or agent episodes: the chat calls an agent makes
 
@@ -78,6 +79,11 @@ class Task:
     """Heavy modules is_correct imports when called (a task module stays cheap to import):
     the reward service imports them before its pool forks, so that no grading pays for them
     within its time limit."""
+    grade_inline: bool = False
+    """is_correct is a regex on the response, cheap and unable to hang: the reward service
+    calls it in its own process. A pool round trip costs more than such a grading (15% of a
+    step's throughput with the 145k-parameter model) but is what enforces
+    reward.timeout_s, so a grader that parses (math-verify) or runs code keeps the pool."""
     warmup: Callable[[Any, int], Iterator[Batch]] | None = None
     """(dataset_cfg, seed) -> supervised batches for the tiny model (None: no warm-up data;
     a run without model.path then gets the arith model)."""

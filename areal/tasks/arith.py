@@ -55,5 +55,6 @@ TASK = Task(
     name="arith",
     generate=generate,
     is_correct=is_correct,
+    grade_inline=True,
     warmup=warmup,
 )

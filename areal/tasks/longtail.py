@@ -116,4 +116,6 @@ def generate(dataset_cfg: DatasetConfig, seed: int) -> list[dict]:
     return make_problems(dataset_cfg.n_problems, seed)
 
 
-TASK = Task(name="longtail", generate=generate, is_correct=is_correct, warmup=warmup)
+TASK = Task(
+    name="longtail", generate=generate, is_correct=is_correct, grade_inline=True, warmup=warmup
+)

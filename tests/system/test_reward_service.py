@@ -4,6 +4,7 @@ errors counted, one slow response never costs the others their verdict."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -189,3 +190,29 @@ def test_a_task_of_ones_own_is_graded_in_the_pool_with_its_options():
     rewards, counts = asyncio.run(go())
     assert rewards == [5.0, -5.0, -5.0]
     assert counts == {"graded": 3, "timeouts": 0, "errors": 0}
+
+
+def _shouted_here(response: str, answer: str, suffix: str = "") -> bool:
+    if os.getpid() != MAIN_PID:
+        raise AssertionError("graded in the pool")
+    if response == "boom":
+        raise ValueError("a grader bug")
+    return response == answer.upper() + suffix
+
+
+SHOUT_INLINE = dataclasses.replace(SHOUT, is_correct=_shouted_here, grade_inline=True)
+
+
+def test_an_inline_grader_runs_in_the_service_with_its_options_and_errors_counted():
+    async def go():
+        s = service(code_memory_mb=7)
+        try:
+            rewards = await s.grade(f"{__name__}:SHOUT_INLINE", ["HI!", "HI", "boom"], "hi")
+            arith = await s.grade("arith", ["so 7", "8"], "7")  # a built-in inline grader
+            return rewards, arith, await s.stats()
+        finally:
+            s.close()
+
+    rewards, arith, counts = asyncio.run(go())
+    assert rewards == [5.0, -5.0, -5.0] and arith == [5.0, -5.0]
+    assert counts == {"graded": 5, "timeouts": 0, "errors": 1}
