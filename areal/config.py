@@ -25,6 +25,9 @@ import yaml
 from areal import config_loader
 from areal.config_loader import ConfigError
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a config may name (model.dtype, megatron's save_dtype): torch's names."""
+
 __all__ = ["ConfigError", "ExperimentConfig", "load_config", "from_dict", "to_dict"]
 
 
@@ -90,7 +93,7 @@ class ModelConfig(_Section):
         if self.tiny_hidden % self.tiny_heads:
             self._fail("tiny_heads", f"must divide tiny_hidden={self.tiny_hidden}")
         self._non_negative("tiny_warmup_steps")
-        self._one_of("dtype", ("float32", "bfloat16", "float16"))
+        self._one_of("dtype", DTYPES)
 
 
 @dataclass(kw_only=True)
@@ -377,7 +380,7 @@ class TrainerConfig(_Section):
     def __post_init__(self) -> None:
         self._check_types()
         self._one_of("backend", ("torch", "megatron"))
-        self._one_of("save_dtype", ("float32", "bfloat16", "float16"))
+        self._one_of("save_dtype", DTYPES)
         par = self.parallel
         if self.backend == "torch" and par.tp * par.pp > 1:
             raise ConfigError(

@@ -45,7 +45,6 @@ class RewardService:
         self.wrong = cfg.wrong
         self.cfg = cfg
         self.options: dict[str, dict] = {}  # task -> its grader's options, made on first use
-        self.inline: dict[str, Any] = {}  # task -> its grader, for Task.grade_inline
         # Probed once here, before the pool forks, so its processes inherit the answer.
         try:
             mode = sandbox.mode()
@@ -71,24 +70,21 @@ class RewardService:
             for module in grader.grader_imports:  # before the pool forks (on its first use)
                 importlib.import_module(module)
             self.options[task] = grader.grader_options(self.cfg)
-            if grader.grade_inline:
-                self.inline[task] = grader.is_correct
         verdicts = await asyncio.gather(*(self._grade(task, r, answer) for r in responses))
         return [self.correct if ok else self.wrong for ok in verdicts]
 
     async def _grade(self, task: str, response: str, answer: Any) -> bool:
-        if task in self.inline:
-            return self._grade_inline(task, response, answer)
-        async with self.slots:
-            return await self._grade_now(task, response, answer)
-
-    async def _grade_now(self, task: str, response: str, answer: Any) -> bool:
-        self.counts["graded"] += 1
-        future = self.pool.schedule(
-            grade_one, (task, response, answer, self.options[task]), timeout=self.timeout_s
-        )
+        grader = load_task(task)
         try:
-            return await asyncio.wrap_future(future)
+            if grader.grade_inline:
+                self.counts["graded"] += 1
+                return bool(grader.is_correct(response, answer, **self.options[task]))
+            async with self.slots:
+                self.counts["graded"] += 1
+                future = self.pool.schedule(
+                    grade_one, (task, response, answer, self.options[task]), timeout=self.timeout_s
+                )
+                return await asyncio.wrap_future(future)
         except (FutureTimeout, TimeoutError):  # pebble killed that grading's process
             self.counts["timeouts"] += 1
             log.warning("grading timed out after %.1fs; scored wrong", self.timeout_s)
@@ -99,15 +95,6 @@ class RewardService:
             self.counts["errors"] += 1
             log.warning("grader error (%s: %s); scored wrong", type(e).__name__, e)
         return False
-
-    def _grade_inline(self, task: str, response: str, answer: Any) -> bool:
-        self.counts["graded"] += 1
-        try:
-            return bool(self.inline[task](response, answer, **self.options[task]))
-        except Exception as e:  # as in the pool: a grader bug scores wrong, counted
-            self.counts["errors"] += 1
-            log.warning("grader error (%s: %s); scored wrong", type(e).__name__, e)
-            return False
 
     async def stats(self) -> dict:
         counts, self.counts = self.counts, {"graded": 0, "timeouts": 0, "errors": 0}

@@ -40,6 +40,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from areal import events, rolelog
+from areal.config import DTYPES
 from areal.cores import role_cores
 from areal.rollout import sglang_api as api
 from areal.rollout.activity import ServerActivity
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         help="KV-cache budget in tokens (rows x longest request); 0: a quarter of free memory",
     )
     parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        "--dtype", choices=DTYPES, default="float32",
         help="the model's dtype while generating (model.dtype, as SGLang's flag); weights "
         "loaded later are cast to it",
     )  # fmt: skip
