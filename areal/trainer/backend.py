@@ -28,11 +28,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from areal.config import DTYPES as DTYPE_NAMES
 from areal.config import ExperimentConfig
 from areal.trainer.batching import LossFn
 from areal.trainer.parallel import DataParallel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 """Config dtype names (model.dtype, trainer.save_dtype) -> torch dtypes."""
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from areal.trainer.backend import DTYPES
 from areal.trainer.megatron.convert import (
     HFReader,
     HFWriter,
@@ -30,7 +31,7 @@ from areal.trainer.megatron.convert import (
 from areal.trainer.megatron.model import Qwen2Shape
 from areal.weights import copy_companion_files
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
