@@ -1,6 +1,7 @@
 """The embedded engine's decoding against transformers' `generate`, and its cost in context.
 
     python benchmarks/engine.py [--shapes 145k,4m] [--batch 64] [--threads 1] [--repeats 3]
+    python benchmarks/engine.py --shapes 1.5b --batch 64,256 --context-shapes ""   # a GPU
 
 1) Decode throughput: the same random Qwen2, batch, prompt (20 tokens), sampling at
    temperature 1 and number of torch threads; every sequence generates exactly the shape's
@@ -8,7 +9,9 @@
    the engine (areal.rollout.engine.DecodeEngine, in process, no HTTP) gets the same requests
    submitted at once. Tokens/s = batch x new tokens / wall time; medians of the repeats, the
    variants interleaved. Shapes: 145k (hidden 64, 2 layers, 32 new tokens) and 4m (hidden
-   256, intermediate 1024, 4 layers, 8/4 heads, 128 new tokens), the issue's geometry.
+   256, intermediate 1024, 4 layers, 8/4 heads, 128 new tokens), the issue's geometry; and
+   1.5b (DeepSeek-R1-Distill-Qwen-1.5B's, benchmarks/shapes.py, 256 new tokens) for a GPU.
+   On a GPU both run there in bf16 (--dtype), else on the CPU in fp32.
 2) Context: the cost of one decode step (KV-cached forward + sampling) with every row at
    context 16 against context 2,048, at --batch rows and at --context-batch rows (8), for
    the shapes above and Qwen2.5-0.5B's (--context-shapes). At 2,048 a step reads the whole
@@ -26,6 +29,7 @@ import time
 from concurrent.futures import Future
 
 import torch
+from shapes import QWEN2_1P5B
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from areal.rollout.engine import DecodeEngine, SamplingParams, _Request, sample
@@ -39,21 +43,22 @@ SHAPES = {
     # Qwen2.5-0.5B's layers (the vocabulary aside): for the decode-step context cost only.
     "0.5b": (dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2), 0),
+    "1.5b": (QWEN2_1P5B, 256),
 }  # fmt: skip
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = list(range(3, 23))
 
 
-def make_model(shape: str) -> Qwen2ForCausalLM:
+def make_model(shape: str, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=1000, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=0,
-        **SHAPES[shape][0],
-    )  # fmt: skip
-    return Qwen2ForCausalLM(config).eval()
+    base = dict(vocab_size=1000, max_position_embeddings=4096, tie_word_embeddings=True)
+    config = Qwen2Config(eos_token_id=0, **{**base, **SHAPES[shape][0]})
+    with torch.device(DEVICE):
+        return Qwen2ForCausalLM(config).to(dtype).eval()
 
 
 def hf_generate(model, batch: int, new: int) -> float:
-    ids = torch.tensor([PROMPT] * batch)
+    ids = torch.tensor([PROMPT] * batch, device=model.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
@@ -61,6 +66,8 @@ def hf_generate(model, batch: int, new: int) -> float:
             max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
         )  # fmt: skip
     assert out.shape == (batch, len(PROMPT) + new)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     return batch * new / (time.perf_counter() - start)
 
 
@@ -100,34 +107,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="145k,4m")
     parser.add_argument("--context-shapes", default="145k,4m,0.5b")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", default="64", help="rows; a comma list runs each")
     parser.add_argument("--context-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16" if DEVICE == "cuda" else "float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}, batch {args.batch}, prompt {len(PROMPT)} tokens, sampling")
-    print(f"{'shape':>6} {'new':>5} {'generate tok/s':>15} {'engine tok/s':>13} {'ratio':>7}")
-    for shape in args.shapes.split(","):
-        model = make_model(shape)
+    dtype, batches = getattr(torch, args.dtype), [int(b) for b in args.batch.split(",")]
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else f"CPU, {args.threads} threads"
+    print(f"{where}, {args.dtype}, prompt {len(PROMPT)} tokens, sampling")
+    print(f"{'shape':>6} {'batch':>5} {'new':>5} {'generate tok/s':>15} {'engine tok/s':>13} "
+          f"{'ratio':>7}")  # fmt: skip
+    for shape in filter(None, args.shapes.split(",")):
+        model = make_model(shape, dtype)
         new = SHAPES[shape][1]
         with tempfile.TemporaryDirectory() as d:
             model.save_pretrained(d)
-            engine = DecodeEngine(d, max_batch_size=args.batch, num_threads=args.threads)
-            hf_generate(model, args.batch, 4)  # warm-up, both
-            engine_generate(engine, args.batch, 4, "warm")
-            hf, ours = [], []
-            for r in range(args.repeats):
-                hf.append(hf_generate(model, args.batch, new))
-                ours.append(engine_generate(engine, args.batch, new, str(r)))
-            engine.shutdown()
-        h, o = statistics.median(hf), statistics.median(ours)
-        print(f"{shape:>6} {new:>5} {h:>15.0f} {o:>13.0f} {o / h:>6.2f}x")
+            for batch in batches:
+                engine = DecodeEngine(
+                    d, max_batch_size=batch, num_threads=args.threads, device=DEVICE, dtype=dtype
+                )
+                hf_generate(model, batch, 4)  # warm-up, both
+                engine_generate(engine, batch, 4, "warm")
+                hf, ours = [], []
+                for r in range(args.repeats):
+                    hf.append(hf_generate(model, batch, new))
+                    ours.append(engine_generate(engine, batch, new, str(r)))
+                engine.shutdown()
+                h, o = statistics.median(hf), statistics.median(ours)
+                print(f"{shape:>6} {batch:>5} {new:>5} {h:>15.0f} {o:>13.0f} {o / h:>6.2f}x")
+        del model
+    if not args.context_shapes:
+        return
     print()
     print(f"{'shape':>6} {'rows':>5} {'step ms @16':>12} {'step ms @2048':>14} {'ratio':>7}")
     for shape in args.context_shapes.split(","):
         model = make_model(shape)
-        for rows in sorted({args.context_batch, args.batch}):
+        for rows in sorted({args.context_batch, *batches}):
             steps = 10 if shape != "0.5b" else 3  # 0.5b at 64 rows: seconds a step
             short = decode_step_ms(model, rows, 16, steps)
             long = decode_step_ms(model, rows, 2048, steps)

@@ -1,8 +1,9 @@
 """The hand-off of one weight version: the trainer publishes weights/vN, a server loads it.
 
     python benchmarks/handoff.py [--shapes tiny,1b] [--repeats 3] [--dir /tmp]
+    python benchmarks/handoff.py --shapes 1.5b --backend megatron   # on a GPU
 
-Publish: the torch backend's save_hf through areal.weights.publish (safetensors + config +
+Publish: the trainer backend's save_hf through areal.weights.publish (safetensors + config +
 tokenizer files into vN.tmp/, then an atomic rename), as the trainer does every step. Load:
 two variants on the same directory, side by side:
 - in place: DecodeEngine.update_weights, what the embedded server does (tensors checked by
@@ -11,7 +12,9 @@ two variants on the same directory, side by side:
 - reload: AutoModelForCausalLM.from_pretrained of the directory, every weight read once,
   what a server without in-place updates would do.
 Shapes: tiny (the CPU default's model: hidden 64, 2 layers) and 1b (a Qwen2 of 0.97B
-parameters: hidden 2048, 20 layers, 16/4 heads, intermediate 5632, vocab 32000), fp32.
+parameters: hidden 2048, 20 layers, 16/4 heads, intermediate 5632, vocab 32000), fp32 on
+the CPU; 1.5b (DeepSeek-R1-Distill-Qwen-1.5B's shape) in bf16 on a GPU, where the trainer
+and the engine both hold their weights on the GPU (the megatron backend publishes bf16).
 Medians in ms. --dir should be on the storage the experiment directory would use: the
 1b publish is bound by its write speed (3.9 GB a version).
 """
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from shapes import QWEN2_1P5B
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -34,14 +38,28 @@ from areal.weights import publish
 
 SHAPES = {
     "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-               num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4),
+               num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=4,
+               tie_word_embeddings=True),
+    "1.5b": QWEN2_1P5B,
 }  # fmt: skip
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def ms(start: float) -> float:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
     return 1e3 * (time.perf_counter() - start)
+
+
+def make_trainer(model_dir: Path, backend: str, dtype: str):
+    opt = dict(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0)
+    if backend == "megatron":
+        from areal.trainer.megatron.backend import MegatronBackend
+
+        return MegatronBackend(model_dir, warmup_steps=1, dtype=dtype, save_dtype=dtype, **opt)
+    return TorchBackend(model_dir, warmup_steps=1, dtype=dtype, device=DEVICE, **opt)
 
 
 def main() -> None:
@@ -49,27 +67,34 @@ def main() -> None:
     parser.add_argument("--shapes", default="tiny,1b")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the versions are written")
+    parser.add_argument("--backend", choices=("torch", "megatron"), default="torch")
+    parser.add_argument("--dtype", default="bfloat16" if DEVICE == "cuda" else "float32")
     args = parser.parse_args()
     hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+    print(f"{where}, {args.dtype}, {args.backend} trainer, versions under {args.dir or '/tmp'}")
     print(f"{'shape':>5} {'params':>8} {'publish ms':>11} {'in-place load ms':>17} "
           f"{'reload ms':>10} {'reload/in-place':>16}")  # fmt: skip
     for shape in args.shapes.split(","):
         with tempfile.TemporaryDirectory(dir=args.dir) as root:
             model_dir = Path(root) / "model"
             torch.manual_seed(0)
-            config = Qwen2Config(tie_word_embeddings=True, **SHAPES[shape])
-            Qwen2ForCausalLM(config).save_pretrained(model_dir)
-            trainer = TorchBackend(
-                model_dir, lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8,
-                grad_clip=1.0, warmup_steps=1, device="cpu",
-            )  # fmt: skip
-            params = sum(p.numel() for p in trainer.model.parameters())
-            engine = DecodeEngine(str(model_dir), max_batch_size=1, max_total_tokens=64)
+            with torch.device(DEVICE):
+                Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape])).to(dtype).save_pretrained(model_dir)
+            trainer = make_trainer(model_dir, args.backend, args.dtype)
+            weights = list(
+                (trainer.gpt if args.backend == "megatron" else trainer.model).parameters()
+            )
+            params = sum(p.numel() for p in weights)
+            engine = DecodeEngine(
+                str(model_dir), max_batch_size=1, max_total_tokens=64, device=DEVICE, dtype=dtype
+            )
             pub, inplace, reload = [], [], []
             for v in range(1, args.repeats + 1):
                 with torch.no_grad():  # a new version: every weight changes
-                    for p in trainer.model.parameters():
+                    for p in weights:
                         p.add_(1e-3)
                 start = time.perf_counter()
                 path = publish(root, v, trainer.save_hf)
@@ -79,10 +104,10 @@ def main() -> None:
                 inplace.append(ms(start))
                 assert ok, message
                 start = time.perf_counter()
-                fresh = AutoModelForCausalLM.from_pretrained(path)
+                fresh = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(DEVICE)
                 # from_pretrained may leave weights mapped from the file: read them all, as
                 # serving the first request would.
-                sum(float(p.sum()) for p in fresh.parameters())
+                sum(float(p.detach().sum()) for p in fresh.parameters())
                 reload.append(ms(start))
                 del fresh
             engine.shutdown()

@@ -1,6 +1,7 @@
 """Interruptible against non-interruptible generation, one server, the same workload.
 
     python benchmarks/interruptible.py [--seconds 20] [--update-every 1.0] [--repeats 3]
+        [--model-dir DIR]   # e.g. the 1.5B shape on a GPU (benchmarks/shapes.py); default tiny
 
 A real embedded server and the real rollout worker. A producer keeps --concurrency samples
 in flight, with long-tailed lengths (lognormal, as reasoning outputs are: most short, a few
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
 import shutil
 import statistics
@@ -148,6 +151,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument(
+        "--model-dir", type=Path,
+        help="serve this HF model (on the GPU if there is one) instead of the tiny one",
+    )  # fmt: skip
     parser.add_argument("--config", type=Path, help="compare training runs of this config")
     parser.add_argument("--steps", type=int, default=100, help="with --config: steps a run")
     args = parser.parse_args()
@@ -157,11 +164,13 @@ def main() -> None:
         print(f"interruptible/non-interruptible generation throughput: {ratio:.2f}x")
         return
     with tempfile.TemporaryDirectory() as root:
-        v0 = make_tiny_model(Path(root) / "v0", warmup_steps=0)
-        versions = [v0, Path(shutil.copytree(v0, Path(root) / "v1"))]
+        v0 = args.model_dir or make_tiny_model(Path(root) / "v0", warmup_steps=0)
+        # The second version is the first's files again (links): a load costs the same.
+        versions = [v0, Path(shutil.copytree(v0, Path(root) / "v1", copy_function=os.symlink))]
+        dtype = json.loads((v0 / "config.json").read_text()).get("dtype", "float32")
         server, url = start_embedded_server(
             v0, Path(root) / "server.log", "--num-threads", str(args.num_threads),
-            "--max-batch-size", str(args.concurrency),
+            "--max-batch-size", str(args.concurrency), "--dtype", dtype,
         )  # fmt: skip
         try:
 

@@ -11,48 +11,34 @@ with random weights, the same packed sequences for both backends, in this one pr
 - CPU: a tiny shape in fp32, said so on the first line; MFU is printed against
   --peak-tflops only if given (there is no meaningful CPU peak to assume).
 
-Model FLOPs per token = 6 * parameters + 12 * layers * hidden * seq_len / 2 (causal
-attention; no recomputation counted). Medians of the repeats, the variants interleaved.
+Model FLOPs per token = 6 * parameters (the input embedding's aside: a lookup) + 12 *
+layers * hidden * seq_len / 2 (causal attention; no recomputation counted). Medians of the
+repeats; each backend alone on the device in turn (both together with a long update's
+activations do not fit even 141 GB).
 The last line is the ratio megatron / torch of tokens per second.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
 import warnings
 
 import torch
+from shapes import QWEN2_1P5B, save_random_qwen2
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
-def qwen2_config(on_gpu: bool) -> Qwen2Config:
-    if on_gpu:  # DeepSeek-R1-Distill-Qwen-1.5B
-        return Qwen2Config(
-            vocab_size=151936,
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            max_position_embeddings=32768,
-            rope_theta=10000.0,
-            tie_word_embeddings=False,
-        )
-    return Qwen2Config(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+TINY = dict(
+    vocab_size=1024, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)  # fmt: skip
 
 
 def peak_tflops(arg: float | None) -> float | None:
@@ -90,7 +76,7 @@ def main() -> None:
     seq_len = args.seq_len or (1024 if on_gpu else 128)
     n_tokens = args.tokens or (8192 if on_gpu else 512)
     dtype = "bfloat16" if on_gpu else "float32"
-    cfg = qwen2_config(on_gpu)
+    cfg = Qwen2Config(**(QWEN2_1P5B if on_gpu else TINY))
     where = torch.cuda.get_device_name() if on_gpu else "CPU (tiny shape, not the 1.5B one)"
     print(f"device: {where}; {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {dtype}")
     from areal.trainer.megatron.backend import MegatronBackend
@@ -104,22 +90,33 @@ def main() -> None:
     ]
     opt = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0)
     with tempfile.TemporaryDirectory() as d:
-        with torch.device("cpu"):
-            Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(d)
-        n_params = (
-            sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters()) if not on_gpu else None
-        )
-        backends = {
-            "megatron": MegatronBackend(d, warmup_steps=0, dtype=dtype, **opt),
-            "torch": TorchBackend(d, warmup_steps=0, dtype=dtype, **opt),
+        save_random_qwen2(d, QWEN2_1P5B if on_gpu else TINY, getattr(torch, dtype))
+        # The input embedding is a lookup, not arithmetic (tied, it is also the output layer).
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters())
+        if not cfg.tie_word_embeddings:
+            n_params -= cfg.vocab_size * cfg.hidden_size
+        makers = {  # torch first: megatron's parallel state outlives its backend
+            "torch": lambda: TorchBackend(d, warmup_steps=0, dtype=dtype, **opt),
+            "megatron": lambda: MegatronBackend(d, warmup_steps=0, dtype=dtype, **opt),
         }
-        n_params = sum(p.numel() for p in backends["torch"].model.parameters())
-        times = {k: [] for k in backends}
-        for b in backends.values():
-            one_update(b, seqs)  # warm-up: kernels, allocator, optimizer states
-        for _ in range(args.repeats):
-            for k, b in backends.items():
-                times[k].append(one_update(b, seqs))
+        # One backend on the GPU at a time: two 1.5B models with Adam states and a long
+        # update's activations together do not fit even 141 GB.
+        times: dict[str, list[float]] = {}
+        for k, make in makers.items():
+            backend = make()
+            try:
+                one_update(backend, seqs)  # warm-up: kernels, allocator, optimizer states
+                times[k] = [one_update(backend, seqs) for _ in range(args.repeats)]
+            except torch.OutOfMemoryError:
+                print(f"{k}: out of GPU memory at {n_tokens} tokens an update")
+            del backend
+            gc.collect()
+            if on_gpu:
+                peak_gb = torch.cuda.max_memory_allocated() / 2**30
+                print(f"{k}: peak GPU memory {peak_gb:.1f} GiB")
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
     flops_per_token = 6 * n_params + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
     peak = peak_tflops(args.peak_tflops)
     rate = {}
@@ -129,7 +126,8 @@ def main() -> None:
         mfu_s = f"MFU {100 * mfu:5.1f}% of {peak:.0f} TFLOP/s" if mfu else "MFU n/a (no peak)"
         tflops = rate[k] * flops_per_token / 1e12
         print(f"{k:9s} {rate[k]:10.1f} tokens/s  {tflops:8.3f} TFLOP/s  {mfu_s}")
-    print(f"megatron / torch: {rate['megatron'] / rate['torch']:.2f}x")
+    if len(rate) == 2:
+        print(f"megatron / torch: {rate['megatron'] / rate['torch']:.2f}x")
 
 
 if __name__ == "__main__":

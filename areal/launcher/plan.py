@@ -10,6 +10,8 @@ server never spans two nodes and every node left over trains. Without GPUs (CPU 
 split is by node: rollout.n_servers servers spread over the inference nodes and
 tp * pp * dp trainer ranks (trainer.parallel) over the training nodes; a single node runs
 everything. With GPUs every training GPU is a rank, and dp = training GPUs / (tp * pp).
+With exactly one server's GPUs in all (one GPU, inference.tp_size=1: a laptop or a
+workstation), the trainer ranks share those GPUs with the server (Step.colocated).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Step:
     that does not bind GPUs itself (srun does, so the SLURM launcher ignores this)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment of the step beyond the launcher's (torch.distributed rendezvous)."""
+    colocated: bool = False
+    """The step's GPUs are also the server's: it shares them instead of holding them alone."""
 
     @property
     def name(self) -> str:
@@ -77,15 +81,15 @@ class Plan:
                     groups[-1].append(s)
                 else:
                     groups.append([s])
-            used, parts = 0, []
+            parts = []
             for g in groups:
                 first, last = g[0], g[-1]
                 name = first.name if len(g) == 1 else f"{first.name}-{last.index}"
                 if first.gpus:
-                    n = first.gpus * len(g)
+                    lo, hi = first.gpu_ids[0], last.gpu_ids[-1]
                     each = f", {first.gpus} each" if len(g) > 1 else ""
-                    name += f" [gpu {used}" + (f"-{used + n - 1}" if n > 1 else "") + f"{each}]"
-                    used += n
+                    shared = ", shared with the server" if first.colocated else ""
+                    name += f" [gpu {lo}" + (f"-{hi}" if hi > lo else "") + f"{each}{shared}]"
                 parts.append(name)
             lines.append(f"  {node}: {', '.join(parts) or '(idle)'}")
         return "\n".join(lines)
@@ -134,6 +138,7 @@ def make_plan(
         steps.append(Step("rollout", k, node))
     steps.append(Step("controller", 0, nodes[0]))
     master = addresses.get(trainers[0][0], trainers[0][0])
+    colocated = n_inf + n_train > len(nodes) * gpus_per_node  # GPUs counted twice: shared
     for rank, (node, gpus, first) in enumerate(trainers):
         env = {
             "RANK": str(rank),
@@ -146,7 +151,7 @@ def make_plan(
             # trainer trains, so its ranks split the cores among themselves alone.
             **share(node, gpus, training if cfg.max_staleness == 0 and not lend else sharing),
         }
-        steps.append(Step("trainer", rank, node, gpus, _ids(gpus, first), env))
+        steps.append(Step("trainer", rank, node, gpus, _ids(gpus, first), env, colocated))
     return Plan(nodes, gpus_per_node, n_inf, n_train, steps)
 
 
@@ -162,6 +167,10 @@ def _gpu_split(cfg: ExperimentConfig, nodes: list[str], gpus_per_node: int):
             "a server may not span nodes; pick a divisor of launcher.gpus_per_node"
         )
     total = len(nodes) * gpus_per_node
+    if total == tp:
+        # One server's GPUs and nothing else: its GPUs train too, one trainer rank each.
+        _check_replicas(cfg, tp)
+        return [(nodes[0], tp, 0)], [(nodes[0], 1, g) for g in range(tp)], tp, tp
     # Round to whole servers, keeping at least one server and one training GPU.
     n_inf = round(total * cfg.launcher.inference_fraction) // tp * tp
     n_inf = min(max(n_inf, tp), (total - 1) // tp * tp)
@@ -174,13 +183,17 @@ def _gpu_split(cfg: ExperimentConfig, nodes: list[str], gpus_per_node: int):
     # (node, GPUs, first GPU index on the node) of each server and each trainer rank.
     inference = [(node, tp, g) for node, g in slots[:n_inf] if g % tp == 0]
     trainers = [(node, 1, g) for node, g in slots[n_inf:]]
+    _check_replicas(cfg, len(trainers))
+    return inference, trainers, n_inf, total - n_inf
+
+
+def _check_replicas(cfg: ExperimentConfig, training_gpus: int) -> None:
     par = cfg.trainer.parallel
-    if len(trainers) % (par.tp * par.pp):
+    if training_gpus % (par.tp * par.pp):
         raise ConfigError(
-            f"{len(trainers)} training GPUs cannot hold replicas of trainer.parallel.tp * pp = "
+            f"{training_gpus} training GPUs cannot hold replicas of trainer.parallel.tp * pp = "
             f"{par.tp * par.pp} GPUs: change tp/pp, launcher.inference_fraction or the nodes"
         )
-    return inference, trainers, n_inf, total - n_inf
 
 
 def _cpu_split(cfg: ExperimentConfig, nodes: list[str]):

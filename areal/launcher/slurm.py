@@ -169,7 +169,10 @@ class SlurmLauncher(Launcher):
             "--kill-on-bad-exit=1",
             f"--immediate={STEP_START_S}",
         ]
-        if step.gpus:
+        if step.colocated:
+            # A trainer on the server's GPU (plan.py): it shares the server's resources.
+            srun += ["--overlap", f"--gpus-per-node={step.gpus}"]
+        elif step.gpus:
             # The step holds its GPUs (and a fair share of CPUs) alone: no other step gets them.
             cpus = self._cpus(step)
             srun += ["--exact", f"--gpus-per-node={step.gpus}", f"--cpus-per-task={cpus}"]

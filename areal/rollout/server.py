@@ -15,8 +15,8 @@ until the model is loaded, which happens after the port is open.
 
     python -m areal.rollout.server --model DIR --port N [--host 127.0.0.1]
         [--max-batch-size 64] [--max-total-tokens 0] [--seed 0] [--num-threads 1]
-        [--dtype float32] [--weight-version 0] [--api-key KEY] [--weights-root DIR ...]
-        [--events-file F]
+        [--dtype float32] [--device auto] [--weight-version 0] [--api-key KEY]
+        [--weights-root DIR ...] [--events-file F]
 
 With an API key (--api-key, or AREAL_API_KEY in the environment) every request but /health
 needs `Authorization: Bearer KEY` (areal/rollout/auth.py); without one the server is open,
@@ -272,6 +272,7 @@ async def serve(args: argparse.Namespace) -> int:
             num_threads=role_cores(args.num_threads),
             weight_version=args.weight_version,
             dtype=getattr(torch, args.dtype),
+            device=args.device,
         )
     except (OSError, ValueError) as e:
         print(f"cannot load the model from {args.model}: {e}", file=sys.stderr)
@@ -279,7 +280,10 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     app[STATE_KEY]["decode_engine"] = decode_engine
     rolelog.set_context(version=lambda: decode_engine.weight_version)
-    print(f"areal embedded server ready at http://{args.host}:{args.port}", flush=True)
+    print(
+        f"areal embedded server ready at http://{args.host}:{args.port} on {args.device}",
+        flush=True,
+    )
     await stop.wait()
     st = decode_engine.stats()
     logger.info(
@@ -291,6 +295,20 @@ async def serve(args: argparse.Namespace) -> int:
     decode_engine.shutdown()  # resolves every waiting handler with an abort before the site closes
     await runner.cleanup()
     return 0
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name!r}: no CUDA device is visible to this process")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{name!r}: the embedded server runs on cpu or cuda")
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=DTYPES, default="float32",
         help="the model's dtype while generating (model.dtype, as SGLang's flag); weights "
         "loaded later are cast to it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", type=_device, default="auto",
+        help="cpu, cuda or cuda:N; auto: cuda when a GPU is visible (CUDA_VISIBLE_DEVICES "
+        "names the server's own, as the launchers set it), else cpu",
     )  # fmt: skip
     parser.add_argument(
         "--weight-version", type=api.parse_weight_version, default=0,

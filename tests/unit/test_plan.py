@@ -158,3 +158,26 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
     assert role_threads(3) == 3  # configured: taken as it is
     monkeypatch.delenv(CPU_SHARE_ENV)
     assert role_threads(0) == cores
+
+
+def test_one_gpu_is_shared_by_the_server_and_the_trainer() -> None:
+    from areal.launcher.local import LocalLauncher
+    from areal.launcher.slurm import Allocation, SlurmLauncher
+
+    cfg = load_config(None, ["launcher.type=local", "launcher.gpus_per_node=1"])
+    launcher = LocalLauncher(cfg)
+    plan = launcher.plan
+    assert (plan.n_servers, plan.world_size) == (1, 1)
+    line = ": server0 [gpu 0], reward0, rollout0, controller0, trainer0 [gpu 0, shared with "
+    assert line in plan.describe()
+    env = {s.name: launcher.command(s, [])[1]["CUDA_VISIBLE_DEVICES"] for s in plan.steps}
+    assert env["server0"] == env["trainer0"] == "0"
+    # Under SLURM the trainer's step overlaps the server's instead of waiting for its GPU.
+    alloc = Allocation("1", ["n0"], {"n0": "n0"}, gpus_per_node=1, cpus_per_node=4)
+    slurm = SlurmLauncher(cfg, alloc, make_plan(cfg, ["n0"], 1))
+    srun = {s.name: slurm.command(s, ["x"])[0] for s in slurm.plan.steps}
+    assert "--exact" in srun["server0"] and "--gpus-per-node=1" in srun["server0"]
+    assert "--overlap" in srun["trainer0"] and "--gpus-per-node=1" in srun["trainer0"]
+    # Two GPUs: each holds its own again.
+    two = make_plan(cfg, ["n0"], 2)
+    assert not any(s.colocated for s in two.steps) and two.training_gpus == 1

@@ -141,4 +141,14 @@ def load_optimizer_state(optimizer: Any, state: dict) -> None:
     optimizer.load_state_dict(state["optimizer"])
     is_dp0 = ps.get_data_parallel_rank() == 0
     for o, params in zip(_optimizers(optimizer), state["params"], strict=True):
-        o.load_parameter_state_from_dp_zero(params if is_dp0 else None)
+        # With torch's AdamW (no TransformerEngine or apex), megatron-core 0.16 keeps a "step"
+        # per parameter, restored by load_state_dict above; the scatter below carries the
+        # weights and moments only but copies into every state key (KeyError: 'step', seen
+        # on an H200). The steps stand aside while it copies.
+        inner = o.optimizer.state
+        steps = {p: s.pop("step") for p, s in inner.items() if "step" in s}
+        try:
+            o.load_parameter_state_from_dp_zero(params if is_dp0 else None)
+        finally:
+            for p, step in steps.items():
+                inner[p]["step"] = step
