@@ -442,7 +442,7 @@ class LauncherConfig(_Section):
     nodes: int | None = None
     """SLURM nodes to use; null = the whole allocation (required with dry_run outside one)."""
     gpus_per_node: int | None = None
-    """GPUs to use on each node; null = all the allocation gives (SLURM_GPUS_ON_NODE), 0 = CPU only."""  # noqa: E501
+    """GPUs to use on each node; null = all the allocation gives (SLURM_GPUS_ON_NODE), 0 = CPU only. With one server's GPUs in all (1 GPU, inference.tp_size=1) the server and the trainer share them."""  # noqa: E501
     dry_run: bool = False
     """Print the placement plan (which node runs which role on which GPUs) and start nothing."""
     srun_args: list[str] = field(default_factory=list)

@@ -64,12 +64,29 @@ def one_update(backend, seqs) -> float:
     return time.perf_counter() - t0
 
 
+def print_profile(name: str, backend, seqs, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        one_update(backend, seqs)
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    print(f"{name}: one update, the {rows} costliest operators")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=None, help="tokens per update")
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--backends", default="torch,megatron")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="after timing, profile one more update of each backend and print its N "
+        "costliest operators (device time)",
+    )  # fmt: skip
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     on_gpu = torch.cuda.is_available()
@@ -100,6 +117,7 @@ def main() -> None:
             "torch": lambda: TorchBackend(d, warmup_steps=0, dtype=dtype, **opt),
             "megatron": lambda: MegatronBackend(d, warmup_steps=0, dtype=dtype, **opt),
         }
+        makers = {k: v for k, v in makers.items() if k in args.backends.split(",")}
         # One backend on the GPU at a time: two 1.5B models with Adam states and a long
         # update's activations together do not fit even 141 GB.
         times: dict[str, list[float]] = {}
@@ -108,6 +126,8 @@ def main() -> None:
             try:
                 one_update(backend, seqs)  # warm-up: kernels, allocator, optimizer states
                 times[k] = [one_update(backend, seqs) for _ in range(args.repeats)]
+                if args.profile:
+                    print_profile(k, backend, seqs, args.profile)
             except torch.OutOfMemoryError:
                 print(f"{k}: out of GPU memory at {n_tokens} tokens an update")
             del backend

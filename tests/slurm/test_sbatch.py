@@ -29,13 +29,15 @@ def tiny_model(tmp_path_factory) -> Path:
     return Path(make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=1, warmup_steps=50))
 
 
-def sbatch(tmp_path: Path, model: Path, *overrides: str, gpus: int = 1, wait: bool = False) -> str:
+def sbatch(
+    tmp_path: Path, model: Path, *overrides: str, gpus: int = 1, wait: bool = False, nodes: int = 2
+) -> str:
     """Submit run_math.sh with the tiny config, using `gpus` per node; returns the job id."""
     cmd = [
         "sbatch",
         "--parsable",
         "-N",
-        "2",
+        str(nodes),
         "--gpus-per-node=1",  # the script asks for 8; each test node has 4 fake ones
         f"--output={tmp_path / 'job.out'}",
         *(["--wait"] if wait else []),
@@ -114,6 +116,17 @@ def test_sbatch_run_completes(tmp_path, tiny_model):
     assert "n2: trainer0 [gpu 0]" in out
     assert "run finished" in out
     assert (tmp_path / "tiny/run0/registry/server/0").read_text().startswith("http://127.0.0.1:")
+    assert job_processes(job) == []
+
+
+def test_one_gpu_is_shared_by_the_server_and_the_trainer(tmp_path, tiny_model):
+    """A one-node, one-GPU job: the trainer's step overlaps the server's on its GPU (without
+    --overlap SLURM could not create it while the server holds the GPU)."""
+    job = sbatch(tmp_path, tiny_model, "total_train_steps=5", wait=True, nodes=1)
+    out = (tmp_path / "job.out").read_text()
+    assert job_state(job) == "COMPLETED", out[-3000:]
+    assert "n1: server0 [gpu 0], reward0, rollout0, controller0, trainer0 [gpu 0, shared" in out
+    assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 6)), out[-3000:]
     assert job_processes(job) == []
 
 

@@ -234,3 +234,19 @@ def test_check_version_false_starts_an_unsupported_sglang_with_the_api_key(tmp_p
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 1 and "imports sglang 0.4.9" in proc.stderr
     assert not (cfg.exp_dir / "registry/server/0").exists()
+
+
+def test_a_device_the_server_cannot_use_is_refused_with_its_reason(capsys):
+    import torch
+
+    from areal.rollout.server import main
+
+    bad = ["npu", "cuda:x", "meta"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in bad:
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", "m", "--port", "1", "--device", device])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --device: {device!r}" in err, err
+    if not torch.cuda.is_available():
+        assert "no CUDA device is visible" in err
