@@ -32,7 +32,8 @@ def tiny_model(tmp_path_factory) -> Path:
 def sbatch(
     tmp_path: Path, model: Path, *overrides: str, gpus: int = 1, wait: bool = False, nodes: int = 2
 ) -> str:
-    """Submit run_math.sh with the tiny config, using `gpus` per node; returns the job id."""
+    """Submit run_math.sh with the tiny config, using `gpus` per node; returns the job id
+    (with wait, once the job has ended)."""
     cmd = [
         "sbatch",
         "--parsable",
@@ -40,7 +41,6 @@ def sbatch(
         str(nodes),
         "--gpus-per-node=1",  # the script asks for 8; each test node has 4 fake ones
         f"--output={tmp_path / 'job.out'}",
-        *(["--wait"] if wait else []),
         "scripts/run_math.sh",
         "--config",
         "configs/tiny.yaml",
@@ -50,8 +50,14 @@ def sbatch(
         *overrides,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 or wait, proc.stderr
-    return proc.stdout.strip().split(";")[0]
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    if wait:  # not sbatch --wait: it polls at growing intervals, up to 20 s late here
+        wait_for(lambda: job_state(job) in ENDED, 300, f"job {job} to end")
+    return job
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 def job_state(job: str) -> str:
