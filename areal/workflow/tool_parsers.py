@@ -94,12 +94,15 @@ def parse_qwen(text: str, names: Collection[str]) -> ParsedCalls | None:
             obj = json.loads(block)
         except ValueError:
             return None
-        if not isinstance(obj, dict) or obj.get("name") not in names:
+        if not isinstance(obj, dict):
+            return None
+        name = obj.get("name")
+        if not isinstance(name, str) or name not in names:  # a sampled name may be any JSON
             return None
         arguments = obj.get("arguments", obj.get("parameters", {}))
         if not isinstance(arguments, dict):
             return None
-        calls.append(tool_call(obj["name"], arguments))
+        calls.append(tool_call(name, arguments))
     content = text[:first].strip()
     return ParsedCalls(content=content or None, tool_calls=calls)
 

@@ -75,6 +75,9 @@ def test_one_call_and_several_calls_with_text_before():
         '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 3}"}\n</tool_call>',  # not an object
         '<tool_call>\n["add", {"a": 3}]\n</tool_call>',  # not a call object
         TWO_CALLS.replace('"mul"', '"mull"'),  # one of two calls unknown: all text
+        # A name that is not a string (a sampled one, seen in CI: once a 500, TypeError)
+        '<tool_call>\n{"name": {"add": 1}, "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": ["add"], "arguments": {}}\n</tool_call>',
     ],
 )
 def test_what_is_not_a_valid_call_stays_text(text):
