@@ -29,7 +29,7 @@ import time
 from concurrent.futures import Future
 
 import torch
-from shapes import QWEN2_1P5B
+from shapes import DEVICE, QWEN2_1P5B
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from areal.rollout.engine import DecodeEngine, SamplingParams, _Request, sample
@@ -45,7 +45,6 @@ SHAPES = {
                   num_attention_heads=14, num_key_value_heads=2), 0),
     "1.5b": (QWEN2_1P5B, 256),
 }  # fmt: skip
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = list(range(3, 23))
 
 

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-from shapes import QWEN2_1P5B
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from shapes import DEVICE, QWEN2_1P5B, save_random_qwen2
+from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from areal.rollout.engine import DecodeEngine
@@ -44,7 +44,6 @@ SHAPES = {
                tie_word_embeddings=True),
     "1.5b": QWEN2_1P5B,
 }  # fmt: skip
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def ms(start: float) -> float:
@@ -80,9 +79,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         with tempfile.TemporaryDirectory(dir=args.dir) as root:
             model_dir = Path(root) / "model"
-            torch.manual_seed(0)
-            with torch.device(DEVICE):
-                Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape])).to(dtype).save_pretrained(model_dir)
+            save_random_qwen2(model_dir, SHAPES[shape], dtype)
             trainer = make_trainer(model_dir, args.backend, args.dtype)
             weights = list(
                 (trainer.gpt if args.backend == "megatron" else trainer.model).parameters()

@@ -18,6 +18,8 @@ QWEN2_1P5B = dict(
     num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
     rope_theta=10000.0, tie_word_embeddings=False,
 )  # fmt: skip
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the benchmarks run: the GPU if there is one."""
 
 
 def save_random_qwen2(path: str | Path, shape: dict, dtype: torch.dtype, seed: int = 0) -> Path:
@@ -27,7 +29,7 @@ def save_random_qwen2(path: str | Path, shape: dict, dtype: torch.dtype, seed: i
     from areal.models.tiny import build_tokenizer
 
     torch.manual_seed(seed)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    with torch.device(DEVICE):
         model = Qwen2ForCausalLM(Qwen2Config(eos_token_id=0, **shape)).to(dtype)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
