@@ -6,9 +6,11 @@ fixed) and a slot in its node's ledger, a small shared-memory file: since when i
 server with nothing to generate, or held by the staleness bound; a trainer waiting for its
 batch), or 0 while it works, and the threads it uses. Before each unit of work (a decode
 step; each layer of the trainer's forward and backward) a role sets its torch threads to
-its share plus the shares of the peers that have waited BORROW_AFTER_S. On a 2-core laptop
-the trainer so trains on both cores while the server is held by eta, and the server
-generates on both while the trainer waits for its batch.
+its share plus an equal part of the shares of the peers that have waited BORROW_AFTER_S
+(several borrowers split a lent share; their threads never exceed the node's cores, so
+with more roles than cores nobody borrows). On a 2-core laptop the trainer so trains on
+both cores while the server is held by eta, and the server generates on both while the
+trainer waits for its batch.
 
 Two threads on one core cost far more than one idle core (a 2-thread training step beside
 a busy 1-thread server took 1.6x as long as with one thread each): a role that starts
@@ -142,7 +144,7 @@ class Cores:
         if self._ledger is not None:
             self._ledger[2 * self.slot] = 0.0
             deadline = self._working_since + RETURN_WAIT_S
-            while self._peer_threads() + self.share > self.limit and time.monotonic() < deadline:
+            while self._peers_hold_mine() and time.monotonic() < deadline:
                 time.sleep(0.002)
         self.adapt()
 
@@ -157,9 +159,16 @@ class Cores:
     def adapt(self) -> int:
         """Set the threads for the next unit of work: the share plus the lent shares."""
         if self._ledger is not None:
+            # The cores beside the shares of the roles that hold theirs (working, or waiting
+            # less than BORROW_AFTER_S) go to those roles in equal parts, the remainder to
+            # the lowest slots: two borrowers never take the same lent share, and where
+            # shares alone fill the node (more roles than cores) nobody borrows.
             now, ledger = time.monotonic(), self._ledger
-            lent = sum(0 < ledger[2 * i] <= now - BORROW_AFTER_S for i in self._peers)
-            self._set(min(self.limit, self.share * (1 + lent)))
+            holders = [self.slot]
+            holders += [i for i in self._peers if not 0 < ledger[2 * i] <= now - BORROW_AFTER_S]
+            extra, rest = divmod(max(0, self.limit - self.share * len(holders)), len(holders))
+            extra += sorted(holders).index(self.slot) < rest
+            self._set(self.share + extra)
             if self.threads > self.share and self._borrowing_since is None:
                 self._borrowing_since = time.time()
         return self.threads
@@ -198,10 +207,14 @@ class Cores:
         self._thread_s = self._work_s = 0.0
         return mean
 
-    def _peer_threads(self) -> float:
-        """The threads the working peers use (a waiting peer's threads sleep)."""
+    def _peers_hold_mine(self) -> bool:
+        """Whether the working peers use threads of this role's share: more than the cores
+        beside it, or than their own shares where shares alone fill the node (a waiting
+        peer's threads sleep)."""
         ledger = self._ledger
-        return sum(ledger[2 * i + 1] or self.share for i in self._peers if ledger[2 * i] == 0)
+        working = [i for i in self._peers if ledger[2 * i] == 0]
+        threads = sum(ledger[2 * i + 1] or self.share for i in working)
+        return threads > max(self.limit - self.share, self.share * len(working))
 
     def _account(self) -> None:
         if self._working_since is not None:

@@ -62,6 +62,46 @@ def test_a_waiting_role_lends_its_share_and_gets_it_back(tmp_path, monkeypatch) 
     assert 0.3 <= time.monotonic() - start < 10
 
 
+def test_borrowers_split_a_lent_share_and_never_exceed_the_cores(tmp_path, monkeypatch) -> None:
+    """Two servers beside one trainer: a lent share is split, never taken by each borrower
+    (on 2 cores, 4 threads spinning on them made a decode step 5x as costly)."""
+    monkeypatch.setattr(cores, "node_cores", lambda: 64)
+    ledger = tmp_path / "ledger"
+    trainer, s1, s2 = (Cores(16, ledger, slot, 4) for slot in range(3))  # a 4th role works
+    for role in (trainer, s1, s2):
+        role.work()
+    assert [r.adapt() for r in (trainer, s1, s2)] == [16, 16, 16]  # nothing lent
+    trainer.wait()
+    time.sleep(BORROW_AFTER_S + 0.01)
+    # The trainer's 16 cores, split among the three working roles: 6, 5 (and 5 for the 4th).
+    assert [s1.adapt(), s2.adapt()] == [22, 21]
+    # Back to work: the trainer waits for the servers to hand back its share, not longer.
+    monkeypatch.setattr(cores, "RETURN_WAIT_S", 30.0)
+    back = threading.Thread(target=trainer.work)
+    back.start()
+    time.sleep(0.1)
+    assert back.is_alive(), "the trainer started beside borrowers still holding its share"
+    assert [s1.adapt(), s2.adapt()] == [16, 16]
+    back.join(timeout=10)
+    assert not back.is_alive()
+
+
+def test_more_roles_than_cores_lend_nothing_and_never_wait(tmp_path, monkeypatch) -> None:
+    """Three roles of one thread on 2 cores: a waiting role's core is already taken."""
+    monkeypatch.setattr(cores, "node_cores", lambda: 2)
+    monkeypatch.setattr(cores, "RETURN_WAIT_S", 30.0)
+    ledger = tmp_path / "ledger"
+    trainer, s1, s2 = (Cores(1, ledger, slot, 3) for slot in range(3))
+    s1.work()
+    s2.work()
+    trainer.wait()
+    time.sleep(BORROW_AFTER_S + 0.01)
+    assert [s1.adapt(), s2.adapt()] == [1, 1]
+    start = time.monotonic()
+    trainer.work()  # its share was never taken: no wait
+    assert time.monotonic() - start < 1.0 and trainer.adapt() == 1
+
+
 def test_threads_mean_counts_working_time_only(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(cores, "BORROW_AFTER_S", 0.5)
     a, b = pair(tmp_path)
