@@ -212,7 +212,8 @@ def idle_while_busy_share(lanes_: dict[str, list[Span]]) -> float:
     `borrow` span of a peer), while another computes: the time a core could have moved to
     the role with work (issue 28's yardstick). Counted from when every such lane has
     started to when the first one ends (start-up and shut-down are not a steady state);
-    NaN with fewer than two such lanes."""
+    NaN with fewer than two such lanes. It counts lanes, as if each had a core or more:
+    with more such roles than cores, an idle lane need not leave a core idle."""
     busy: dict[str, list[tuple[float, float]]] = {}
     for name, spans in lanes_.items():
         work = WORK_KINDS.get(name.rstrip("0123456789"))
