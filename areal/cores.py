@@ -157,7 +157,7 @@ class Cores:
             self._ledger[2 * self.slot] = time.monotonic()
 
     def adapt(self) -> int:
-        """Set the threads for the next unit of work: the share plus the lent shares."""
+        """Set the threads for the next unit of work: the share plus its part of the lent cores."""
         if self._ledger is not None:
             # The cores beside the shares of the roles that hold theirs (working, or waiting
             # less than BORROW_AFTER_S) go to those roles in equal parts, the remainder to

@@ -228,7 +228,7 @@ def test_a_step_that_cannot_be_created_fails_the_job_at_once(tmp_path, tiny_mode
     job = job.strip().split(";")[0]
     try:
         started = time.monotonic()
-        wait_for(lambda: job_state(job) in ("FAILED", "COMPLETED"), 120, "the job to end")
+        wait_for(lambda: job_state(job) in ENDED, 120, "the job to end")
         assert time.monotonic() - started < 90
         out = (tmp_path / "job.out").read_text()
         assert job_state(job) == "FAILED", out[-3000:]
