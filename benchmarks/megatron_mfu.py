@@ -15,7 +15,8 @@ Model FLOPs per token = 6 * parameters (the input embedding's aside: a lookup) +
 layers * hidden * seq_len / 2 (causal attention; no recomputation counted). Medians of the
 repeats; each backend alone on the device in turn (both together with a long update's
 activations do not fit even 141 GB).
-The last line is the ratio megatron / torch of tokens per second.
+The last lines are the ratios of tokens per second megatron / torch and megatron / megatron
+without its fused kernels (megatron-unfused), for the backends run.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def print_profile(name: str, backend, seqs, rows: int) -> None:
         one_update(backend, seqs)
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
     print(f"{name}: one update, the {rows} costliest operators")
-    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=100))
 
 
 def main() -> None:
@@ -81,7 +82,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=None)
-    parser.add_argument("--backends", default="torch,megatron")
+    parser.add_argument(
+        "--backends", default="torch,megatron",
+        help="comma-separated, run in this order: torch, megatron, megatron-unfused (the "
+        "megatron backend without its fused kernels, megatron.model.transformer_config)",
+    )  # fmt: skip
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N",
         help="after timing, profile one more update of each backend and print its N "
@@ -115,17 +120,25 @@ def main() -> None:
             n_params -= cfg.vocab_size * cfg.hidden_size
         makers = {  # torch first: megatron's parallel state outlives its backend
             "torch": lambda: TorchBackend(d, warmup_steps=0, dtype=dtype, **opt),
+            "megatron-unfused": lambda: MegatronBackend(
+                d, warmup_steps=0, dtype=dtype, fused=False, **opt
+            ),
             "megatron": lambda: MegatronBackend(d, warmup_steps=0, dtype=dtype, **opt),
         }
-        makers = {k: v for k, v in makers.items() if k in args.backends.split(",")}
+        flops_per_token = 6 * n_params + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+        peak = peak_tflops(args.peak_tflops)
         # One backend on the GPU at a time: two 1.5B models with Adam states and a long
         # update's activations together do not fit even 141 GB.
-        times: dict[str, list[float]] = {}
-        for k, make in makers.items():
-            backend = make()
+        rate: dict[str, float] = {}
+        for k in args.backends.split(","):
+            backend = makers[k]()
             try:
-                one_update(backend, seqs)  # warm-up: kernels, allocator, optimizer states
-                times[k] = [one_update(backend, seqs) for _ in range(args.repeats)]
+                one_update(backend, seqs)  # warm-up: kernels, compiling, optimizer states
+                times = [one_update(backend, seqs) for _ in range(args.repeats)]
+                rate[k] = n_tokens / statistics.median(times)
+                tflops = rate[k] * flops_per_token / 1e12
+                mfu = f"MFU {100 * tflops / peak:5.1f}% of {peak:.0f} TFLOP/s" if peak else ""
+                print(f"{k:16s} {rate[k]:10.1f} tokens/s  {tflops:8.3f} TFLOP/s  {mfu}")
                 if args.profile:
                     print_profile(k, backend, seqs, args.profile)
             except torch.OutOfMemoryError:
@@ -134,20 +147,12 @@ def main() -> None:
             gc.collect()
             if on_gpu:
                 peak_gb = torch.cuda.max_memory_allocated() / 2**30
-                print(f"{k}: peak GPU memory {peak_gb:.1f} GiB")
+                print(f"{k}: peak GPU memory {peak_gb:.1f} GiB", flush=True)
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-    flops_per_token = 6 * n_params + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
-    peak = peak_tflops(args.peak_tflops)
-    rate = {}
-    for k, ts in times.items():
-        rate[k] = n_tokens / statistics.median(ts)
-        mfu = rate[k] * flops_per_token / (peak * 1e12) if peak else None
-        mfu_s = f"MFU {100 * mfu:5.1f}% of {peak:.0f} TFLOP/s" if mfu else "MFU n/a (no peak)"
-        tflops = rate[k] * flops_per_token / 1e12
-        print(f"{k:9s} {rate[k]:10.1f} tokens/s  {tflops:8.3f} TFLOP/s  {mfu_s}")
-    if len(rate) == 2:
-        print(f"megatron / torch: {rate['megatron'] / rate['torch']:.2f}x")
+    for a, b in (("megatron", "torch"), ("megatron", "megatron-unfused")):
+        if a in rate and b in rate:
+            print(f"{a} / {b}: {rate[a] / rate[b]:.2f}x")
 
 
 if __name__ == "__main__":

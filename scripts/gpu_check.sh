@@ -5,6 +5,7 @@
 #
 #     bash scripts/gpu_check.sh [SECONDS]     # logs in $OUT (default /tmp/areal-gpu-check)
 #     STEPS="tests mfu" bash scripts/gpu_check.sh     # only those steps
+#     PROFILE=40 STEPS=mfu16k bash scripts/gpu_check.sh  # with the 40 costliest kernels
 #
 # Each step has its own time limit, and all of them together SECONDS (default 570): a step
 # that fails or runs out of time is reported and the next one runs. Wheels in .whl/ (for a
@@ -44,10 +45,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers, megatron.core as m; \
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__)"
 step tests 240 $PY -m pytest -q -s -p no:cacheprovider tests/system/test_megatron_gpu.py \
-    tests/system/test_gpu_run.py
+    tests/system/test_gpu_run.py tests/unit/test_logprobs.py
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # updates of varying lengths
 step mfu 90 $PY benchmarks/megatron_mfu.py --tokens 8192 --seq-len 1024 --repeats 3
-step mfu16k 100 $PY benchmarks/megatron_mfu.py --tokens 16384 --seq-len 2048 --repeats 3
+step mfu16k 300 $PY benchmarks/megatron_mfu.py --tokens 16384 --seq-len 2048 --repeats 3 \
+    --backends torch,megatron-unfused,megatron --profile "${PROFILE:-0}"
 step engine 90 $PY benchmarks/engine.py --shapes 1.5b --batch 64,256 --context-shapes "" \
     --repeats 2
 step handoff 60 $PY benchmarks/handoff.py --shapes 1.5b --backend megatron --repeats 3

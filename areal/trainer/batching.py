@@ -69,6 +69,20 @@ def pack_sequences(
     return input_ids, position_ids, cu_seqlens
 
 
+def scored_rows(
+    seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(in_stream, scored), bool [T] over the packed stream of `seqs`: a token's next-token
+    log-prob is in the log-prob stream unless it is its sequence's last (that one would
+    predict the next sequence's first), and scored if it is also at or after its
+    sequence's start (the entries before are 0)."""
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    position_ids = torch.cat([torch.arange(n) for n in lens.tolist()]) if seqs else lens
+    first = torch.tensor(list(starts) if starts is not None else [0] * len(seqs), dtype=torch.long)
+    in_stream = position_ids < torch.repeat_interleave(lens - 1, lens)
+    return in_stream, in_stream & (position_ids >= torch.repeat_interleave(first, lens))
+
+
 LossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 

@@ -44,7 +44,14 @@ from transformers.utils import logging as hf_logging
 
 from areal.checkpoint import load_rank_state, save_rank_state
 from areal.trainer.backend import DTYPES, optimizer_file, warmup_lr
-from areal.trainer.batching import LossFn, forward_backward_loop, forward_loop, pack_sequences
+from areal.trainer.batching import (
+    LossFn,
+    forward_backward_loop,
+    forward_loop,
+    pack_sequences,
+    scored_rows,
+)
+from areal.trainer.logprobs import token_logprobs
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
 from areal.trainer.parallel import DataParallel
 from areal.weights import copy_companion_files
@@ -107,12 +114,7 @@ class TorchBackend:
         step of the 145k model with 25-token prompts and 32-token answers).
         """
         input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
-        lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-        # Per token: in the stream unless it is its sequence's last (that one predicts the
-        # next sequence's start); scored if also at or after its sequence's start.
-        in_stream = position_ids < torch.repeat_interleave(lens - 1, lens)
-        first = torch.tensor(starts if starts is not None else [0] * len(seqs), dtype=torch.long)
-        scored = in_stream & (position_ids >= torch.repeat_interleave(first, lens))
+        in_stream, scored = scored_rows(seqs, starts)
         positions = scored.nonzero()[:, 0]
         # FA2 reads the boundaries from the position ids; packed_sdpa from cu_seq_lens_q.
         bounds = {} if self._packed_by_position else {"cu_seq_lens_q": cu_seqlens}
@@ -123,12 +125,12 @@ class TorchBackend:
                 logits_to_keep=positions.to(self.device),
                 **bounds,
             ).logits[0]  # [scored, V]
-        logits = logits.float() / self.temperature
         labels = input_ids[positions + 1].to(self.device)
-        token_logprobs = torch.log_softmax(logits, dim=-1).gather(1, labels[:, None])[:, 0]
-        every = torch.zeros(len(input_ids), dtype=token_logprobs.dtype, device=self.device)
-        every = every.index_put((positions.to(self.device),), token_logprobs)
-        return every[in_stream.to(self.device)]
+        lp = token_logprobs(logits, labels, self.temperature)
+        every = torch.zeros(len(input_ids), dtype=lp.dtype, device=self.device)
+        every = every.index_put((positions.to(self.device),), lp)
+        # Indices made on the CPU: a boolean mask on a GPU stalls the host (see megatron's).
+        return every[in_stream.nonzero()[:, 0].to(self.device)]
 
     @torch.no_grad()
     def logits(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:

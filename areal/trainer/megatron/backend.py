@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from areal.checkpoint import load_rank_state, save_rank_state
 from areal.trainer.backend import DTYPES, optimizer_file, warmup_lr
-from areal.trainer.batching import LossFn, forward_backward_loop, forward_loop, pack_sequences
+from areal.trainer.batching import (
+    LossFn,
+    forward_backward_loop,
+    forward_loop,
+    pack_sequences,
+    scored_rows,
+)
+from areal.trainer.logprobs import token_logprobs
 from areal.trainer.megatron import cuda_redirect, pipeline
 from areal.trainer.megatron.model import build_gpt_model, has_transformer_engine, read_hf_config
 from areal.trainer.megatron.weights_io import load_hf, save_hf
@@ -82,6 +89,7 @@ class MegatronBackend:
         save_dtype: str = "bfloat16",
         temperature: float = 1.0,
         seed: int = 1,
+        fused: bool = True,
     ):
         from megatron.core import parallel_state as ps
 
@@ -97,10 +105,12 @@ class MegatronBackend:
         if self.on_gpu:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.packed_thd = has_transformer_engine()
-        self.gpt = build_gpt_model(self.shape, tp, pp, dtype)
+        # Fused elementwise kernels on a GPU (model.transformer_config); off for comparison.
+        self.fused = fused and self.on_gpu
+        self.gpt = build_gpt_model(self.shape, tp, pp, dtype, self.fused)
         load_hf(self.gpt, self.model_dir, self.shape, self.layout)
         self.temperature, self.grad_clip = temperature, grad_clip
-        self.save_dtype = DTYPES[save_dtype]
+        self.dtype, self.save_dtype = DTYPES[dtype], DTYPES[save_dtype]
         self.lr, self.warmup_steps, self.n_steps = lr, warmup_steps, 0
         opt = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=adam_eps)
         if self.on_gpu:
@@ -115,50 +125,48 @@ class MegatronBackend:
     # ---- forward ------------------------------------------------------------------------
 
     def _packed_forward(self, seqs: Sequence[Sequence[int]], model: torch.nn.Module | None = None):
-        """(model output [1, T, ...], token ids [T], extra kwargs) of the packed stream: the
-        vocab-parallel logits on the last PP stage, hidden states on the others."""
-        input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
-        input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
-        from megatron.core.packed_seq_params import PackedSeqParams
+        """(model output [1, T, ...], token ids [T]) of the packed stream: the vocab-parallel
+        logits on the last PP stage (in the parameters' dtype), hidden states elsewhere."""
+        from areal.trainer.megatron.packed_attention import PackedStream
 
-        cu = cu_seqlens.to(self.device, torch.int32)
+        input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
+        # non_blocking: a blocking copy to the GPU waits for all the work queued before it.
+        input_ids, position_ids, cu = (
+            x.to(self.device, non_blocking=True)
+            for x in (input_ids, position_ids, cu_seqlens.to(torch.int32))
+        )
+        lengths = tuple(len(s) for s in seqs)
         if self.packed_thd:
             # TE's THD kernels; the rotary embedding restarts at each cu_seqlens boundary.
-            layout, max_len = "thd", int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            layout, max_len = "thd", max(lengths)
         else:
             # The local spec's PackedDotProductAttention: causal SDPA per sequence, no mask.
             # Megatron sizes the rotary table by max_seqlen, and without THD it rotates the
             # stream by positions 0..T-1: RoPE is relative, so a sequence's attention is the
             # same as with its positions restarting at 0.
             layout, max_len = "sbhd", len(input_ids)
-        packed = PackedSeqParams(
+        packed = PackedStream(
             qkv_format=layout,
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
             max_seqlen_q=max_len,
             max_seqlen_kv=max_len,
+            lengths=lengths,
         )
-        kwargs = {"packed_seq_params": packed}
+        # Megatron's Float16Module would upcast the logits to fp32 (10 GB at 16k tokens of a
+        # 152k vocabulary, and as much again for their gradient): token_logprobs does its
+        # arithmetic in fp32 anyway, reading them as they are.
+        half = {"fp32_output": False} if self.on_gpu and self.dtype != torch.float32 else {}
         model = model if model is not None else self.model
-        output = model(input_ids[None], position_ids[None], None, **kwargs)
-        return output, input_ids, kwargs
+        output = model(input_ids[None], position_ids[None], None, packed_seq_params=packed, **half)
+        return output, input_ids
 
     def _forward(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocab-parallel logits [T, V/tp] of the packed stream, and its token ids [T]."""
         # With pp > 1 only the last stage has logits: forward_backward schedules the stages.
         assert self.pp == 1, "logprobs/logits run one stage; with pp > 1 use forward_backward"
-        output, input_ids, _ = self._packed_forward(seqs)
+        output, input_ids = self._packed_forward(seqs)
         return output[0], input_ids
-
-    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
-        """Padded vocab rows (a multiple of tp) are no token: -inf before the softmax."""
-        per_rank = logits.shape[-1]
-        start = self.layout[1] * per_rank
-        n_real = min(max(self.shape.vocab_size - start, 0), per_rank)
-        if n_real == per_rank:
-            return logits
-        pad = torch.arange(per_rank, device=logits.device) >= n_real
-        return logits.masked_fill(pad, float("-inf"))
 
     def forward(
         self,
@@ -220,26 +228,27 @@ class MegatronBackend:
     ) -> torch.Tensor:
         """Next-token log-probs from vocab-parallel logits [1, T, V/tp], reduced over TP.
 
-        The output layer has computed every position's logits (GPTModel keeps none back),
-        but only the scored rows (at or after their sequence's start) go through the
-        temperature, the vocab-padding mask and the cross entropy; the others are 0.
+        Every row goes through the softmax (the output layer has computed every row's
+        logits: GPTModel keeps none back), and the unscored rows (before their sequence's
+        start) are then set to 0. Selecting the scored rows first costs more on a GPU: a
+        copy of the logits and its scatter-add in the backward. The row indices are made on
+        the CPU: a boolean mask on the GPU would stall the host until the forward is done.
         """
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        dev = self.device
-        lens = torch.tensor([len(s) for s in seqs], device=dev)
-        first = torch.tensor(list(starts) if starts is not None else [0] * len(seqs), device=dev)
-        position = torch.arange(len(input_ids), device=dev) - torch.repeat_interleave(
-            torch.cumsum(lens, 0) - lens, lens
+        in_stream, scored = scored_rows(seqs, starts)
+        per_rank = output.shape[-1]
+        start = self.layout[1] * per_rank
+        lp = token_logprobs(
+            output[0],
+            input_ids.roll(-1),  # the next token; a sequence's last row is not in the stream
+            self.temperature,
+            vocab_start=start,
+            n_real=min(max(self.shape.vocab_size - start, 0), per_rank),
+            tensor_parallel=self.tp > 1,
+            fused=self.fused,
         )
-        # A sequence's last token predicts the next sequence's first: not in the stream.
-        in_stream = position < torch.repeat_interleave(lens - 1, lens)
-        rows = (in_stream & (position >= torch.repeat_interleave(first, lens))).nonzero()[:, 0]
-        logits = self._mask_vocab_padding(output[0][rows].float() / self.temperature)
-        labels = input_ids[rows + 1]
-        scored = -vocab_parallel_cross_entropy(logits[:, None], labels[:, None])[:, 0]
-        every = torch.zeros(len(input_ids), dtype=scored.dtype, device=dev)
-        return every.index_put((rows,), scored)[in_stream]
+        scored = scored.to(self.device, non_blocking=True)
+        keep = in_stream.nonzero()[:, 0].to(self.device, non_blocking=True)
+        return torch.where(scored, lp, 0.0)[keep]
 
     @torch.no_grad()
     def logits(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -247,7 +256,7 @@ class MegatronBackend:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         logits, _ = self._forward(seqs)
-        return gather_from_tensor_model_parallel_region(logits)[:, : self.shape.vocab_size]
+        return gather_from_tensor_model_parallel_region(logits)[:, : self.shape.vocab_size].float()
 
     # ---- update -------------------------------------------------------------------------
 

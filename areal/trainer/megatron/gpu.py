@@ -85,7 +85,7 @@ def forward_backward_pipelined(
 
     def forward_step(data_iterator: Any, model: torch.nn.Module):
         k, seqs = next(data_iterator)
-        output, input_ids, _ = backend._packed_forward(seqs, model)
+        output, input_ids = backend._packed_forward(seqs, model)
 
         def loss_func(logits: torch.Tensor):
             lp = backend._token_logprobs(

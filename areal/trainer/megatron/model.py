@@ -103,13 +103,43 @@ def has_transformer_engine() -> bool:
     return torch.cuda.is_available()
 
 
+def rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Megatron's rotary embedding of t [s, b, heads, d] by freqs [s, 1, 1, d_rot]
+    (rope_utils._apply_rotary_pos_emb_bshd, halves not interleaved), in fp32, in place of
+    TransformerEngine's fused kernel where TE is absent: compiled, the eager version's six
+    passes over q and k (slices, cat, products) are one.
+    """
+    assert not interleaved, "interleaved rotary embeddings are not Qwen2's"
+    rot = freqs.shape[-1]
+    x = t[..., :rot].float()
+    x1, x2 = x.chunk(2, -1)
+    out = (x * freqs.cos() + torch.cat((-x2, x1), -1) * freqs.sin()).to(t.dtype)
+    return torch.cat((out, t[..., rot:]), -1) if rot < t.shape[-1] else out
+
+
+def _provide_fused_rope() -> None:
+    """Megatron's apply_rope_fusion calls rope_utils.fused_apply_rotary_pos_emb, which is
+    TE's kernel when TE is installed and None otherwise: then a compiled `rotary`."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = torch.compile(rotary, dynamic=True)
+
+
 def transformer_config(
-    shape: Qwen2Shape, tp: int, pp: int, dtype: str, on_gpu: bool
+    shape: Qwen2Shape, tp: int, pp: int, dtype: str, on_gpu: bool, fused: bool = True
 ) -> TransformerConfig:
-    """Megatron's TransformerConfig for the Qwen2 shape. On CPU every fusion is off and
-    weights are initialised on the CPU (the fused kernels are CUDA-only)."""
+    """Megatron's TransformerConfig for the Qwen2 shape. Weights are initialised on the CPU
+    without a GPU. With `fused` on a GPU, SwiGLU (Megatron's own kernel, compiled by its
+    jit_fuser = torch.compile) and the rotary embedding (TE's kernel, or a compiled `rotary`)
+    each run as one kernel forward and one backward; the log-probs are fused as well
+    (areal.trainer.logprobs). On CPU every fusion is off: compiling costs more there than
+    it saves."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    fused = fused and on_gpu
+    if fused:
+        _provide_fused_rope()
     params_dtype = DTYPES[dtype]
     return TransformerConfig(
         num_layers=shape.num_layers,
@@ -133,17 +163,19 @@ def transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        bias_activation_fusion=False,
+        bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fused,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
     )
 
 
-def build_gpt_model(shape: Qwen2Shape, tp: int, pp: int, dtype: str = "float32") -> GPTModel:
+def build_gpt_model(
+    shape: Qwen2Shape, tp: int, pp: int, dtype: str = "float32", fused: bool = True
+) -> GPTModel:
     """This rank's GPTModel: its TP slice of its PP stage's layers.
 
     Needs megatron's model-parallel groups (parallel_state.initialize_model_parallel).
@@ -160,7 +192,7 @@ def build_gpt_model(shape: Qwen2Shape, tp: int, pp: int, dtype: str = "float32")
 
     check_layout(shape, tp, pp)
     on_gpu = torch.cuda.is_available()
-    config = transformer_config(shape, tp, pp, dtype, on_gpu)
+    config = transformer_config(shape, tp, pp, dtype, on_gpu, fused)
     if has_transformer_engine():
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:

@@ -62,7 +62,7 @@ def gpipe(
                 dist.recv(h_in, src=prev)
                 h_in.requires_grad_(train)
             backend.gpt.set_input_tensor(h_in)
-            out, input_ids, _ = backend._packed_forward(seqs)  # h [T, 1, H] or logits
+            out, input_ids = backend._packed_forward(seqs)  # h [T, 1, H] or logits
             if not last:
                 dist.send(out.detach().contiguous(), dst=nxt)
             else:
