@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 import urllib.request
 from pathlib import Path
 
@@ -137,8 +138,12 @@ def test_a_run_survives_a_killed_server_and_loses_no_prompt(tmp_path):
             if "areal.rollout.server" in cmdline(p) and f"--port {port} " in cmdline(p) + " "
         ]  # fmt: skip
         assert len(victims) == 1, victims
-        # Killed while it generates (the gate may have paused admission for a moment).
+        # Killed while requests are in flight on it. The tiny task's answers take a decode
+        # step or two, so a server seen generating has often finished by the kill: stopped
+        # first, it holds every call the router sends it meanwhile.
         _wait_for(lambda: running_requests(url, exp_dir) >= 4, 60, "requests on server 0")
+        os.kill(victims[0], signal.SIGSTOP)
+        time.sleep(1.0)
         os.kill(victims[0], signal.SIGKILL)
         _wait_for(lambda: "inference server 0 is back" in controller_log.read_text(), 120, "back")
         # A few steps with both servers again, and a checkpoint taken after them.
