@@ -84,8 +84,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument(
         "--backends", default="torch,megatron",
-        help="comma-separated, run in this order: torch, megatron, megatron-unfused (the "
-        "megatron backend without its fused kernels, megatron.model.transformer_config)",
+        help="comma-separated, run in the order given (torch before the megatron ones: "
+        "megatron's parallel state outlives its backend): torch, megatron, megatron-unfused "
+        "(the megatron backend without its fused kernels, megatron.model.transformer_config)",
     )  # fmt: skip
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N",

@@ -71,23 +71,23 @@ def token_logprobs(
     labels = labels - vocab_start
     fused = logits.is_cuda if fused is None else fused
     maxes, sums = (_compiled(_max), _compiled(_sums)) if fused else (_max, _sums)
+    if tensor_parallel:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.mappings import (
+            reduce_from_tensor_model_parallel_region as reduce_sum,
+        )
+
+        group = parallel_state.get_tensor_model_parallel_group()
     rows = max(1, CHUNK_ENTRIES // logits.shape[-1])
     out = []
     for lg, lb in zip(logits.split(rows), labels.split(rows), strict=True):
         with torch.no_grad():  # any shift gives the same log-probs: no gradient through it
             shift = maxes(lg, n_real) / temperature
             if tensor_parallel:
-                from megatron.core import parallel_state
-
-                group = parallel_state.get_tensor_model_parallel_group()
                 dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
         sum_exp, picked = sums(lg, lb, shift, temperature, n_real)
         if tensor_parallel:
             # Forward: the sum over the slices; backward: each slice's own gradient.
-            from megatron.core.tensor_parallel.mappings import (
-                reduce_from_tensor_model_parallel_region as reduce,
-            )
-
-            sum_exp, picked = reduce(sum_exp), reduce(picked)
+            sum_exp, picked = reduce_sum(sum_exp), reduce_sum(picked)
         out.append(picked - sum_exp.log())
     return torch.cat(out) if len(out) > 1 else out[0]

@@ -132,9 +132,8 @@ def transformer_config(
     """Megatron's TransformerConfig for the Qwen2 shape. Weights are initialised on the CPU
     without a GPU. With `fused` on a GPU, SwiGLU (Megatron's own kernel, compiled by its
     jit_fuser = torch.compile) and the rotary embedding (TE's kernel, or a compiled `rotary`)
-    each run as one kernel forward and one backward; the log-probs are fused as well
-    (areal.trainer.logprobs). On CPU every fusion is off: compiling costs more there than
-    it saves."""
+    each run as one kernel forward and one backward. On CPU every fusion is off: compiling
+    costs more there than it saves."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fused = fused and on_gpu
