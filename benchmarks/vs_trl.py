@@ -1,7 +1,7 @@
 """The whole system against TRL's synchronous GRPOTrainer, same model, data and geometry,
 and both against the machine's limit.
 
-    pip install -c benchmarks/constraints.txt trl     # keeps areal's CPU torch
+    pip install -c constraints.txt trl     # the repository's constraints.txt keeps the CPU torch
     python benchmarks/vs_trl.py [--geometries 145k:32:8:8,4m:128:8:8,4m:64:16:4]
         [--steps 60] [--repeats 1] [--etas 0,4] [--fixed-split] [--limit-steps 3] [--skip-trl]
         [--dtype float32]
