@@ -397,25 +397,155 @@ class TrainerConfig(_Section):
             self._fail("warmup_steps_ratio", f"must be in [0, 1], got {self.warmup_steps_ratio!r}")
 
 
+RECIPES: dict[str, dict[str, Any]] = {
+    # The AReaL paper: decoupled PPO, batch-normalised advantages, token mean, no KL.
+    "areal": {},
+    # DeepSeekMath (Shao et al. 2024): group-normalised advantages, per-sequence token
+    # mean, k3 KL to the reference in the loss (beta = 0.04).
+    "grpo": dict(
+        adv_estimator="grpo", loss_agg="seq_mean_token_mean", kl_coef=0.04, kl_estimator="k3"
+    ),
+    # Dr.GRPO (Liu et al. 2025): no std division, a constant length normaliser.
+    "dr_grpo": dict(adv_estimator="dr_grpo", loss_agg="seq_mean_token_sum_norm"),
+    # DAPO (Yu et al. 2025): clip-higher 0.28, token mean, soft overlong punishment,
+    # dynamic sampling; no KL.
+    "dapo": dict(
+        adv_estimator="grpo",
+        eps_clip_higher=0.28,
+        loss_agg="token_mean",
+        overlong_penalty=1.0,
+        dynamic_sampling=True,
+    ),
+    # GSPO (Zheng et al. 2025, Qwen3): the length-normalised sequence ratio, clipped to
+    # [1 - 3e-4, 1 + 4e-4], one term per sequence.
+    "gspo": dict(
+        adv_estimator="grpo",
+        importance_sampling_level="sequence",
+        eps_clip=3e-4,
+        eps_clip_higher=4e-4,
+        loss_agg="seq_mean_token_mean",
+    ),
+    # RLOO (Ahmadian et al. 2024): the leave-one-out baseline, per-sequence token mean.
+    "rloo": dict(adv_estimator="rloo", loss_agg="seq_mean_token_mean"),
+    # REINFORCE++ (Hu 2025): batch-normalised advantages, k2 KL in the reward, token mean.
+    "reinforce_pp": dict(
+        adv_estimator="reinforce_pp", kl_coef=0.01, kl_estimator="k2", kl_in="reward"
+    ),
+    # CISPO (MiniMax-M1, 2025): clipped stop-gradient IS weight times the log-prob, no lower
+    # bound, token mean.
+    "cispo": dict(adv_estimator="grpo", loss="cispo", eps_clip=1.0, eps_clip_higher=4.0),
+    # M2PO (Zheng et al. 2025): the AReaL objective with the second-moment mask (tau 0.04).
+    "m2po": dict(adv_estimator="grpo", m2po_tau=0.04),
+}
+"""Recipe -> the knobs it sets; every other knob keeps the `areal` recipe's value (the
+field defaults' `null` means "the recipe's"), and a knob given explicitly always wins."""
+
+_AREAL = dict(
+    eps_clip=0.2,
+    eps_clip_higher=None,
+    c_clip=None,
+    loss="ppo",
+    importance_sampling_level="token",
+    adv_estimator="norm",
+    adv_norm=None,
+    adv_std_norm=None,
+    loss_agg="token_mean",
+    kl_coef=0.0,
+    kl_estimator="k3",
+    kl_in="loss",
+    entropy_coef=0.0,
+    m2po_tau=None,
+    overlong_penalty=0.0,
+    mask_truncated=False,
+    dynamic_sampling=False,
+)
+ADV_ESTIMATORS = ("norm", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+"""Estimators whose baseline is the prompt's group: they need rollout.group_size >= 2."""
+
+
 @dataclass(kw_only=True)
 class PPOConfig(_Section):
+    """The objective: decoupled PPO (the paper) and the knobs of GRPO, Dr.GRPO, DAPO, GSPO,
+    RLOO, REINFORCE++, CISPO and M2PO; areal/trainer/ppo.py has each knob's formula."""
+
     _section: ClassVar[str] = "ppo"
 
-    eps_clip: float = 0.2
-    """PPO clip range epsilon."""
+    recipe: str = "areal"
+    """Sets the knobs below to a paper's values (RECIPES in areal/config.py): areal, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, cispo, m2po; a knob given explicitly wins."""  # noqa: E501
     use_decoupled_loss: bool = True
     """Decoupled objective (proximal policy apart from behaviour policy); false = naive PPO."""
     behav_imp_weight_cap: float | None = None
     """Mask tokens whose pi_prox/pi_behav exceeds this; null = no cap."""
     n_minibatches: int = 4
     """Sequential PPO updates per training batch."""
-    adv_norm: str = "batch"
-    """Advantage normalisation over the whole batch or within each prompt group."""
+    # ---- advantages (per sequence; null = the recipe's value) ----
+    adv_estimator: str | None = None
+    """norm (the paper: (r - mean) / std over adv_norm's set), grpo ((r - group mean) / group std), dr_grpo (r - group mean), rloo (r - mean of the group's others), reinforce_pp (batch-normalised), reinforce_pp_baseline (r - group mean, then batch-normalised)."""  # noqa: E501
+    adv_norm: str | None = None
+    """adv_estimator=norm only: batch, group or none (no centring, no scaling); null = batch."""
+    adv_std_norm: bool | None = None
+    """adv_estimator=norm only: divide by the set's std; null = true."""
+    reward_scale: float = 1.0
+    """Rewards become (reward + reward_bias) * reward_scale before everything else."""
+    reward_bias: float = 0.0
+    """Added to every reward before reward_scale."""
+    mask_truncated: bool | None = None
+    """Samples cut at rollout.max_new_tokens (no EOS) get advantage 0 (DAPO's overlong filtering)."""  # noqa: E501
+    overlong_penalty: float | None = None
+    """DAPO's soft overlong punishment: an answer reaching into the last overlong_buffer tokens of rollout.max_new_tokens loses up to this much reward, linearly (0 = off)."""  # noqa: E501
+    overlong_buffer: int | None = None
+    """Tokens over which the overlong penalty grows from 0 to overlong_penalty; null = a fifth of rollout.max_new_tokens (DAPO's 4,096 of 20,480)."""  # noqa: E501
+    dynamic_sampling: bool | None = None
+    """DAPO: groups whose rewards are all equal are dropped before they reach a batch, and more are generated (rollout/dropped_groups)."""  # noqa: E501
+    # ---- the ratio and its clip ----
+    importance_sampling_level: str | None = None
+    """token (PPO), sequence (GSPO: exp of the mean log-ratio over the sequence) or sequence_token (GSPO-token: that value, each token's own gradient)."""  # noqa: E501
+    eps_clip: float | None = None
+    """The clip range is [1 - eps_clip, 1 + eps_clip_higher]; the paper's 0.2 (1 = no lower bound)."""  # noqa: E501
+    eps_clip_higher: float | None = None
+    """Upper side of the clip range (DAPO's clip-higher); null = eps_clip."""
+    c_clip: float | None = None
+    """Dual clip: where A < 0 the objective is max(objective, c_clip * A); > 1, null = off."""
+    loss: str | None = None
+    """ppo (the clipped surrogate) or cispo (clip(ratio) without gradient, times A times the log-prob)."""  # noqa: E501
+    m2po_tau: float | None = None
+    """M2PO: mask the tokens with the largest (log pi_prox/pi_behav)^2 until the batch's mean of it is <= tau; null = off."""  # noqa: E501
+    prox_approx: str = "none"
+    """none (a forward pass computes the proximal log-probs) or loglinear (upstream AReaL's interpolation between the behaviour and current log-probs by version: no proximal pass)."""  # noqa: E501
+    # ---- aggregation and regularisers ----
+    loss_agg: str | None = None
+    """token_mean (the paper), seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm (each sequence's sum / loss_agg_norm_len, Dr.GRPO)."""  # noqa: E501
+    loss_agg_norm_len: int | None = None
+    """The constant length of seq_mean_token_sum_norm; null = rollout.max_new_tokens."""
+    kl_coef: float | None = None
+    """Weight of the KL to the reference policy (ref_model); 0 = no reference model."""
+    kl_estimator: str | None = None
+    """k1 (log pi/pi_ref), k2 ((log pi/pi_ref)^2 / 2) or k3 (pi_ref/pi - 1 - log pi_ref/pi)."""
+    kl_in: str | None = None
+    """loss (+ kl_coef * KL, aggregated as the policy term) or reward (each sample's reward loses kl_coef * its summed KL under the behaviour policy)."""  # noqa: E501
+    entropy_coef: float | None = None
+    """Entropy bonus: - entropy_coef * H, aggregated as the policy term (torch backend)."""
 
     def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            self._fail("recipe", f"must be one of {', '.join(RECIPES)}; got {self.recipe!r}")
+        for name, value in {**_AREAL, **RECIPES[self.recipe]}.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.adv_estimator == "norm":
+            self.adv_norm = "batch" if self.adv_norm is None else self.adv_norm
+            self.adv_std_norm = True if self.adv_std_norm is None else self.adv_std_norm
+        if self.eps_clip_higher is None:
+            self.eps_clip_higher = self.eps_clip
         self._check_types()
-        if not 0 < self.eps_clip < 1:
-            self._fail("eps_clip", f"must be in (0, 1), got {self.eps_clip!r} (0.2 is the paper's)")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        if not 0 < self.eps_clip <= 1:
+            self._fail("eps_clip", f"must be in (0, 1], got {self.eps_clip!r} (0.2 is the paper's)")
+        self._positive("eps_clip_higher")
         cap = self.behav_imp_weight_cap
         if cap is not None and not cap > 1:
             # The ratio sits around 1, so a cap <= 1 would mask about half of all tokens.
@@ -423,8 +553,103 @@ class PPOConfig(_Section):
                 "behav_imp_weight_cap",
                 f"must be > 1 or null (no cap), got {cap!r}; public examples use 5.0",
             )
-        self._positive("n_minibatches")
-        self._one_of("adv_norm", ("batch", "group"))
+        self._positive("n_minibatches", "reward_scale")
+        self._one_of("adv_estimator", ADV_ESTIMATORS)
+        if self.adv_estimator == "norm":
+            self._one_of("adv_norm", ("batch", "group", "none"))
+        elif self.adv_norm is not None or self.adv_std_norm is not None:
+            name = "adv_norm" if self.adv_norm is not None else "adv_std_norm"
+            self._fail(
+                name,
+                f"applies to adv_estimator=norm only; adv_estimator={self.adv_estimator} "
+                "fixes its own normalisation (leave it out, or use adv_estimator=norm)",
+            )
+        self._one_of("importance_sampling_level", ("token", "sequence", "sequence_token"))
+        self._one_of("loss", ("ppo", "cispo"))
+        self._one_of("loss_agg", LOSS_AGGS)
+        self._one_of("kl_estimator", ("k1", "k2", "k3"))
+        self._one_of("kl_in", ("loss", "reward"))
+        self._one_of("prox_approx", ("none", "loglinear"))
+        self._non_negative("kl_coef", "entropy_coef", "overlong_penalty")
+        if self.c_clip is not None:
+            if not self.c_clip > 1:
+                self._fail(
+                    "c_clip", f"must be > 1 or null (off), got {self.c_clip!r}; 3.0 is usual"
+                )
+            if self.loss != "ppo":
+                self._fail(
+                    "c_clip", "is the dual clip of loss=ppo; CISPO's weight is clipped already"
+                )
+        if self.m2po_tau is not None:
+            self._positive("m2po_tau")
+        if self.overlong_buffer is not None:
+            self._positive("overlong_buffer")
+        if self.loss_agg_norm_len is not None:
+            self._positive("loss_agg_norm_len")
+        if self.prox_approx != "none":
+            if not self.use_decoupled_loss:
+                self._fail(
+                    "prox_approx",
+                    "approximates the decoupled loss's proximal policy: "
+                    "set ppo.use_decoupled_loss=true or prox_approx=none",
+                )
+            for name in ("behav_imp_weight_cap", "m2po_tau"):
+                if getattr(self, name) is not None:
+                    self._fail(
+                        "prox_approx",
+                        f"cannot be combined with ppo.{name} (it masks by "
+                        "the exact proximal log-probs before the update): use prox_approx=none",
+                    )
+
+    def summary(self) -> str:
+        """The resolved objective in one line (the launcher prints it at start)."""
+        ratio = {"token": "u", "sequence": "s_seq", "sequence_token": "s_seq(token grad)"}
+        clip = f"clip [{1 - self.eps_clip:g}, {1 + self.eps_clip_higher:g}]"
+        parts = [
+            f"recipe={self.recipe}",
+            "decoupled" if self.use_decoupled_loss else "naive",
+            f"loss={self.loss}({ratio[self.importance_sampling_level]}, {clip}"
+            + (f", dual {self.c_clip:g}" if self.c_clip else "")
+            + ")",
+            f"adv={self.adv_estimator}"
+            + (
+                f"[{self.adv_norm}{'' if self.adv_std_norm else ', no std'}]"
+                if self.adv_estimator == "norm"
+                else ""
+            ),
+            f"agg={self.loss_agg}"
+            + (f"/{self.loss_agg_norm_len}" if self.loss_agg == "seq_mean_token_sum_norm" else ""),
+        ]
+        if self.kl_coef:
+            parts.append(f"kl={self.kl_coef:g}*{self.kl_estimator} in {self.kl_in}")
+        if self.entropy_coef:
+            parts.append(f"entropy={self.entropy_coef:g}")
+        if self.m2po_tau is not None:
+            parts.append(f"m2po_tau={self.m2po_tau:g}")
+        if self.behav_imp_weight_cap is not None:
+            parts.append(f"cap={self.behav_imp_weight_cap:g}")
+        if self.prox_approx != "none":
+            parts.append(f"prox_approx={self.prox_approx}")
+        if self.overlong_penalty:
+            parts.append(f"overlong={self.overlong_penalty:g} over {self.overlong_buffer} tokens")
+        if self.mask_truncated:
+            parts.append("mask_truncated")
+        if self.dynamic_sampling:
+            parts.append("dynamic_sampling")
+        if (self.reward_bias, self.reward_scale) != (0.0, 1.0):
+            parts.append(f"reward=(r{self.reward_bias:+g})*{self.reward_scale:g}")
+        return " ".join(parts)
+
+
+@dataclass(kw_only=True)
+class RefModelConfig(_Section):
+    _section: ClassVar[str] = "ref_model"
+
+    path: str = ""
+    """HF model directory of the frozen reference policy (ppo.kl_coef > 0); empty = the policy's initial weights."""  # noqa: E501
+
+    def __post_init__(self) -> None:
+        self._check_types()
 
 
 @dataclass(kw_only=True)
@@ -540,7 +765,9 @@ class ExperimentConfig(_Section):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Trainer and optimiser."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    """PPO objective."""
+    """The objective: decoupled PPO and its knobs (ppo.recipe names a paper's)."""
+    ref_model: RefModelConfig = field(default_factory=RefModelConfig)
+    """The frozen reference policy of ppo.kl_coef."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """Process launcher."""
     stats: StatsConfig = field(default_factory=StatsConfig)
@@ -559,11 +786,7 @@ class ExperimentConfig(_Section):
         self._positive("total_train_steps")
         self._non_negative("max_staleness")
         # Rules spanning sections.
-        if self.ppo.adv_norm == "group" and self.rollout.group_size < 2:
-            raise ConfigError(
-                "ppo.adv_norm=group needs rollout.group_size >= 2 (a group of one "
-                "has zero spread); raise the group size or use ppo.adv_norm=batch"
-            )
+        self._check_objective()
         n_traj = self.trainer.batch_size * self.rollout.group_size
         if self.ppo.n_minibatches > n_traj:
             raise ConfigError(
@@ -598,6 +821,41 @@ class ExperimentConfig(_Section):
                 f"inference.max_total_tokens={budget} cannot hold one request of "
                 f"dataset.max_prompt_len + rollout.max_new_tokens = {longest} tokens: raise "
                 "it (0 = a quarter of free memory) or lower those"
+            )
+
+    def _check_objective(self) -> None:
+        """The ppo section against the rest; fills its lengths from rollout.max_new_tokens."""
+        ppo, max_new = self.ppo, self.rollout.max_new_tokens
+        if self.rollout.group_size < 2:
+            uses = [
+                f"ppo.{k}={v}"
+                for k, v in (
+                    ("adv_norm", ppo.adv_norm),
+                    ("adv_estimator", ppo.adv_estimator),
+                    ("dynamic_sampling", ppo.dynamic_sampling),
+                )
+                if v == "group" or v in GROUP_ESTIMATORS or v is True
+            ]
+            if uses:
+                raise ConfigError(
+                    f"{uses[0]} needs rollout.group_size >= 2 (a group of one has no spread "
+                    "and no baseline); raise the group size or use ppo.adv_estimator=norm "
+                    "with ppo.adv_norm=batch"
+                )
+        if ppo.loss_agg_norm_len is None:
+            ppo.loss_agg_norm_len = max_new
+        if ppo.overlong_buffer is None:
+            ppo.overlong_buffer = max(1, max_new // 5)
+        if ppo.overlong_penalty > 0 and ppo.overlong_buffer > max_new:
+            raise ConfigError(
+                f"ppo.overlong_buffer={ppo.overlong_buffer} exceeds rollout.max_new_tokens="
+                f"{max_new}: the penalty grows over the last overlong_buffer tokens; lower it"
+            )
+        if self.trainer.backend == "megatron" and ppo.entropy_coef > 0:
+            raise ConfigError(
+                "ppo.entropy_coef > 0 needs trainer.backend=torch: the megatron backend "
+                "computes log-probs of the sampled tokens only (vocab-parallel entropy is "
+                "not built); use the torch backend or entropy_coef=0"
             )
 
     @property

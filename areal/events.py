@@ -21,6 +21,7 @@ is about: the one loaded, published, or held while generating. Kinds, by role:
 |               | load             | /update_weights_from_disk of `version`                      |
 | trainer{r}    | wait_batch       | asking for (rank 0) or receiving (ranks > 0) the next batch |
 |               | proximal         | the no-grad forward pass of the proximal log-probs          |
+|               | reference        | the reference policy's forward pass (ppo.kl_coef > 0)       |
 |               | update           | one PPO minibatch: forward, backward, optimizer step        |
 |               | publish          | writing weights/v`version` and telling the controller       |
 |               | checkpoint       | saving a checkpoint                                         |
@@ -53,6 +54,7 @@ KINDS = {
     "load": "loading weights",
     "wait_batch": "waiting for a batch",
     "proximal": "proximal log-prob pass",
+    "reference": "reference policy pass (KL)",
     "update": "PPO minibatch update",
     "publish": "publishing weights",
     "checkpoint": "saving a checkpoint",

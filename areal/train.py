@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal: config error: {e}", file=sys.stderr)
         return 2
     print(f"areal: experiment directory {cfg.exp_dir}")
+    print(f"areal: objective {cfg.ppo.summary()}")
     if ckpt is not None and ckpt.version >= cfg.total_train_steps:
         print(f"areal: the checkpoint already has {ckpt.version} of {cfg.total_train_steps} steps")
         return 0

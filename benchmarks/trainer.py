@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from areal.config import PPOConfig
 from areal.models.tiny import build_tokenizer, tiny_config
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
@@ -204,11 +205,7 @@ def main() -> None:
     vocab = backends["packed"].model.config.vocab_size
     n_params = sum(p.numel() for p in backends["packed"].model.parameters())
     step_kw = dict(
-        eps_clip=0.2,
-        use_decoupled_loss=True,
-        behav_imp_weight_cap=None,
-        n_minibatches=args.n_minibatches,
-        adv_norm="batch",
+        ppo=PPOConfig(n_minibatches=args.n_minibatches),
         max_tokens_per_mb=args.max_tokens_per_mb,
     )
     print(

@@ -91,6 +91,8 @@ class Controller:
         self._update_lock = asyncio.Lock()  # versions load, and the gate moves, in order
         self._updates: set[asyncio.Task] = set()
         self._tokens_generated = 0
+        self._dropped = 0  # groups dynamic sampling dropped since the last batch
+        self._dropped_in_a_row = 0
         self._last_stats_time = time.time()
         self.restarts = int(os.environ.get(RESTARTS_ENV, "0"))
         """How many times the launcher restarted this run from a checkpoint (recovery)."""
@@ -139,9 +141,10 @@ class Controller:
             generate_fn=functools.partial(self.pool.generate, group_id, start_version),
             grade_fn=self._grade,
         )
-        failed = False
+        failed = dropped = False
         try:
             trajs = await self.episodes.run(engine, row)
+            dropped = self._drop(trajs)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -154,7 +157,7 @@ class Controller:
                 self.stalled.set()
         async with self.changed:
             # In one step with the buffer, so a checkpoint sees the row in exactly one place.
-            if trajs is None:  # failed, or declined by the workflow (a filter)
+            if trajs is None or dropped:  # failed, declined by the workflow, or dropped
                 self.gate.on_rollout_rejected()
                 self.buffer.discard(group_id)
                 if failed:
@@ -172,6 +175,29 @@ class Controller:
                 self.buffer.put(group_id, trajs)
             self.changed.notify_all()
         return trajs
+
+    def _drop(self, trajs: list[Trajectory] | None) -> bool:
+        """Dynamic sampling (DAPO): a group whose rewards are all equal has zero advantage
+        everywhere and teaches nothing; it frees its place in the gate (the staleness bound
+        is unchanged) and another prompt is generated. Drops with no group kept in between
+        end the run once they pass a bound, rather than generating forever."""
+        if not self.cfg.ppo.dynamic_sampling or not trajs or len(trajs) < 2:
+            return False
+        if len({t.reward for t in trajs}) > 1:
+            self._dropped_in_a_row = 0
+            return False
+        self._dropped += 1
+        self._dropped_in_a_row += 1
+        limit = max(100, 10 * self.cfg.trainer.batch_size)
+        if self._dropped_in_a_row >= limit and self.no_progress is None:
+            self.no_progress = (
+                f"dynamic sampling dropped {self._dropped_in_a_row} groups in a row: every "
+                f"group's rewards were equal (all {trajs[0].reward:g}), so no batch can be "
+                "formed. The prompts are all too easy or too hard for the model: change the "
+                "data or the reward, or set ppo.dynamic_sampling=false"
+            )
+            self.stalled.set()
+        return True
 
     async def _grade(self, task: str, responses: list[str], answer: Any) -> list[float]:
         return await self.reward.call("grade", task=task, responses=responses, answer=answer)
@@ -203,6 +229,7 @@ class Controller:
         now = time.time()
         elapsed, self._last_stats_time = now - self._last_stats_time, now
         tokens, self._tokens_generated = self._tokens_generated, 0
+        dropped, self._dropped = self._dropped, 0
         pool_stats = await self.pool.stats()
         reward_stats = await self.reward.call("stats")
         return {
@@ -210,6 +237,7 @@ class Controller:
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/groups_in_flight": self.buffer.n_in_flight,
             "rollout/groups_ready": len(self.buffer),
+            "rollout/dropped_groups": dropped,
             "reward/timeouts": reward_stats["timeouts"],
             "reward/errors": reward_stats["errors"],
             **self.episodes.stats(),

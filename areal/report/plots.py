@@ -30,6 +30,7 @@ COLORS = {
     "load": "#fb8c00",
     "wait_batch": "#e57373",
     "proximal": "#64b5f6",
+    "reference": "#9575cd",
     "update": "#1e40af",
     "publish": "#8e24aa",
     "checkpoint": "#6d4c41",

@@ -65,9 +65,13 @@ class TrainerBackend(Protocol):
     """True: every rank of the trainer world takes part in save_hf and save_optimizer."""
 
     def logprobs(
-        self, seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
-    ) -> torch.Tensor:
-        """The log-prob stream of `seqs` packed into one forward (with gradients)."""
+        self,
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+        with_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The log-prob stream of `seqs` packed into one forward (with gradients); with
+        with_entropy, also the per-token entropy stream (a backend may refuse: ValueError)."""
         ...
 
     def logits(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -88,9 +92,11 @@ class TrainerBackend(Protocol):
         micro_batches: Sequence[Sequence[Sequence[int]]],
         loss_fn: LossFn,
         starts: Sequence[Sequence[int]] | None = None,
+        with_entropy: bool = False,
     ) -> list[dict[str, float]]:
         """loss_fn(k, log-prob stream of micro-batch k) -> (loss, stats); loss.backward(),
-        gradients accumulating. Each micro-batch's stats, on every rank."""
+        gradients accumulating. Each micro-batch's stats, on every rank. with_entropy:
+        loss_fn(k, log-probs, per-token entropy) (a backend may refuse it: ValueError)."""
         ...
 
     def reduce_grads(self, dp: DataParallel) -> None:
@@ -159,3 +165,27 @@ def make_backend(
         **common,
     )
     return backend, data_parallel_group(dp)
+
+
+def make_reference(cfg: ExperimentConfig, dp: DataParallel) -> TrainerBackend:
+    """The frozen reference policy of ppo.kl_coef (ref_model.path, or the policy's initial
+    weights): a torch backend whatever trains, used for forwards only (its optimizer never
+    steps, so Adam's state is never allocated). With megatron's tensor parallelism each
+    rank holds the whole reference model."""
+    from areal.trainer.torch_backend import TorchBackend
+
+    device = str(dp.device) if dp.device.type == "cuda" else None
+    ref = TorchBackend(
+        cfg.ref_model.path or cfg.model.path,
+        lr=cfg.trainer.lr,
+        weight_decay=0.0,
+        betas=cfg.trainer.betas,
+        adam_eps=cfg.trainer.adam_eps,
+        grad_clip=cfg.trainer.grad_clip,
+        warmup_steps=0,
+        dtype=cfg.model.dtype,
+        temperature=cfg.rollout.temperature,
+        device=device,
+    )
+    ref.model.requires_grad_(False)
+    return ref

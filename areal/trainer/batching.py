@@ -83,7 +83,8 @@ def scored_rows(
     return in_stream, in_stream & (position_ids >= torch.repeat_interleave(first, lens))
 
 
-LossFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+"""loss_fn(k, log-prob stream of micro-batch k[, its per-token entropy]) -> (loss, stats)."""
 
 
 def forward_loop(
@@ -109,14 +110,19 @@ def forward_backward_loop(
     micro_batches: Sequence[Sequence[Sequence[int]]],
     loss_fn: LossFn,
     starts: Sequence[Sequence[int]] | None = None,
+    with_entropy: bool = False,
 ) -> list[dict[str, float]]:
     """The plain micro-batch loop behind `backend.forward_backward` (no pipeline stages):
     log-probs -> loss_fn(k, log-probs of micro-batch k) -> (loss, stats) -> loss.backward(),
     gradients accumulating; returns each micro-batch's stats. `starts` as in forward_loop.
+    with_entropy: `logprobs` takes with_entropy=True and returns (log-probs, entropy), and
+    loss_fn gets both.
     """
     results = []
     for k, seqs in enumerate(micro_batches):
-        loss, stats = loss_fn(k, logprobs(seqs, None if starts is None else starts[k]))
+        st = None if starts is None else starts[k]
+        out = logprobs(seqs, st, with_entropy=True) if with_entropy else (logprobs(seqs, st),)
+        loss, stats = loss_fn(k, *out)
         loss.backward()
         results.append(stats)
     return results

@@ -91,3 +91,14 @@ def token_logprobs(
             sum_exp, picked = reduce_sum(sum_exp), reduce_sum(picked)
         out.append(picked - sum_exp.log())
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 [N]: the entropy of softmax(logits / temperature) per row of logits [N, V]
+    (the entropy bonus; one row at a time in chunks, so the fp32 copy stays bounded)."""
+    rows = max(1, CHUNK_ENTRIES // logits.shape[-1])
+    out = []
+    for lg in logits.split(rows):
+        logp = torch.log_softmax(lg.float() / temperature, -1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out) if len(out) > 1 else out[0]

@@ -92,6 +92,21 @@ class DataParallel:
         )
         return t.tolist()
 
+    def all_gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D tensor (lengths may differ), concatenated in rank order, as
+        float64 on the CPU."""
+        values = values.to(torch.float64).flatten()
+        if not self.enabled:
+            return values.cpu()
+        n = torch.tensor([len(values)], device=self.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world_size)]
+        dist.all_gather(sizes, n, group=self.group)
+        padded = torch.zeros(int(max(sizes)), dtype=torch.float64, device=self.device)
+        padded[: len(values)] = values.to(self.device)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([p[: int(k)] for p, k in zip(parts, sizes, strict=True)]).cpu()
+
     def all_reduce_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Sum every gradient over the ranks, in one flat buffer (one collective per step).
 

@@ -1,19 +1,181 @@
-"""Decoupled PPO (paper section 5.2) and the paper's advantages, readable top to bottom.
+"""The objective: decoupled PPO (paper section 5.2) and the knobs of the objectives people
+bring, readable top to bottom. Each knob is one formula; `ppo.recipe` sets them to a
+paper's values (areal/config.py RECIPES), the `areal` recipe is the paper's objective.
 
 Three policies: behaviour (sampled the tokens; log-probs from the inference engine),
 proximal (the trainer's weights at the start of this training step; log-probs recomputed
-by a forward pass), and theta (being optimised). All tensors are shaped like the packed
-token stream: [T], one entry per token, with loss_mask 1 on generated tokens.
+by a forward pass, or approximated: `prox_approx`), and theta (being optimised). Tensors
+are shaped like the packed token stream, [T], one entry per token, loss_mask 1 on
+generated tokens; `seq_lens` cuts the stream into its sequences.
 
-    L = mean over valid tokens of -(pi_prox / pi_behav) * min(u * A, clip(u, 1-eps, 1+eps) * A)
-    u = pi_theta / pi_prox
+Per valid token t of sequence i (valid: generated, and kept by the cap and the M2PO mask):
 
-Naive PPO is the special case prox = behav (pass behaviour log-probs as proximal).
+    w = pi_prox / pi_behav                  behaviour weight (a constant; 1 for naive PPO)
+    u = pi_theta / pi_prox                  importance_sampling_level=token (PPO)
+    u = exp(mean_t log(pi_theta/pi_prox))   =sequence (GSPO: one ratio per sequence, and its
+                                            w = exp(mean_t log w)); =sequence_token: the same
+                                            value, each token with its own gradient
+    ppo:   obj = w * min(u A, clip(u, 1 - eps_clip, 1 + eps_clip_higher) A)
+           dual clip (c_clip): where A < 0, min(...) becomes max(min(...), c_clip A)
+    cispo: obj = w * sg[clip(u, 1 - eps_clip, 1 + eps_clip_higher)] * A * log pi_theta
+    loss  = agg(-obj) + kl_coef * agg(KL(theta || ref))  [kl_in=loss]  - entropy_coef * agg(H)
+
+| loss_agg                 | agg(x)                                                    |
+|--------------------------|-----------------------------------------------------------|
+| token_mean (the paper)   | sum of x over valid tokens / valid tokens                 |
+| seq_mean_token_mean      | mean over sequences of (sum_t x / valid tokens of the seq)|
+| seq_mean_token_sum       | mean over sequences of sum_t x                            |
+| seq_mean_token_sum_norm  | mean over sequences of sum_t x / loss_agg_norm_len        |
+
+"Sequences" are those with at least one valid token. The denominators are the whole
+minibatch's (`n_norm`, summed over micro-batches and data-parallel ranks by the trainer),
+so the summed gradient does not depend on how the minibatch was cut.
+
+KL estimators of log r = log pi_theta/pi_ref: k1 = log r, k2 = (log r)^2 / 2,
+k3 = 1/r - 1 + log r (Schulman's). Advantages are per sequence (gamma = lambda = 1, no
+critic), from rewards shaped first (`shape_rewards`): see `compute_advantages`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+
+from areal.config import GROUP_ESTIMATORS, PPOConfig
+
+ADV_EPS = 1e-6
+"""Added to a standard deviation before dividing by it."""
+
+
+def _ppo(cfg: Any) -> PPOConfig:
+    """The PPO section of an ExperimentConfig, or a PPOConfig itself."""
+    return cfg.ppo if hasattr(cfg, "ppo") else cfg
+
+
+def _max_new_tokens(cfg: Any, max_new_tokens: int | None) -> int | None:
+    if max_new_tokens is not None:
+        return max_new_tokens
+    return cfg.rollout.max_new_tokens if hasattr(cfg, "rollout") else None
+
+
+# ---------------------------------------------------------------- rewards and advantages
+
+
+def shape_rewards(
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    cfg: Any,
+    *,
+    max_new_tokens: int | None = None,
+) -> torch.Tensor:
+    """Per-sequence rewards after shaping (float64): (reward + reward_bias) * reward_scale,
+    then DAPO's soft overlong punishment on answers of `lengths` generated tokens:
+
+        - overlong_penalty * clamp((length - (max_new_tokens - buffer)) / buffer, 0, 1)
+
+    (buffer = overlong_buffer, null: a fifth of max_new_tokens).
+
+    cfg: an ExperimentConfig, or a PPOConfig with `max_new_tokens` given. `truncated` (cut
+    at max_new_tokens, no EOS) is taken by compute_advantages (mask_truncated); it is here
+    so that every per-sample fact the shaping may use arrives in one call.
+    """
+    ppo = _ppo(cfg)
+    assert len(rewards) == len(lengths) == len(truncated)
+    r = (rewards.to(torch.float64) + ppo.reward_bias) * ppo.reward_scale
+    if ppo.overlong_penalty:
+        max_len = _max_new_tokens(cfg, max_new_tokens)
+        if max_len is None:
+            raise ValueError("the overlong penalty needs max_new_tokens (rollout.max_new_tokens)")
+        buffer = ppo.overlong_buffer or max(1, max_len // 5)
+        excess = lengths.to(torch.float64) - (max_len - buffer)
+        r = r - ppo.overlong_penalty * (excess / buffer).clamp(0.0, 1.0)
+    return r
+
+
+def _group_mean(x: torch.Tensor, group_ids: torch.Tensor, leave_one_out: bool = False):
+    """Each entry's group mean (of the group's others with leave_one_out)."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=x.dtype).index_add(0, inverse, x)
+    n = counts.to(x.dtype)[inverse]
+    if leave_one_out:
+        return (sums[inverse] - x) / (n - 1).clamp(min=1)
+    return sums[inverse] / n
+
+
+def _group_std(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Each entry's group standard deviation (population: divided by n)."""
+    mean = _group_mean(x, group_ids)
+    return _group_mean((x - mean) ** 2, group_ids).sqrt()
+
+
+def _batch_whiten(x: torch.Tensor) -> torch.Tensor:
+    return (x - x.mean()) / (x.std(unbiased=False) + ADV_EPS)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    cfg: Any = None,
+    *,
+    truncated: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-sequence advantages (float32) from shaped rewards r; every token of a response
+    gets its sequence's. Standard deviations are the population's (divided by n), plus
+    ADV_EPS; "group" is the samples of one prompt (group_ids).
+
+    | adv_estimator          | A                                                        |
+    |------------------------|----------------------------------------------------------|
+    | norm (the paper)       | (r - mean_S) / std_S over S = adv_norm's set (batch,     |
+    |                        | group; none: A = r); no division with adv_std_norm=false |
+    | grpo                   | (r - mean_group) / std_group                             |
+    | dr_grpo                | r - mean_group                                           |
+    | rloo                   | r - mean of the group's other samples                    |
+    | reinforce_pp           | (r - mean_batch) / std_batch                             |
+    | reinforce_pp_baseline  | x = r - mean_group, then (x - mean_batch x) / std_batch x|
+
+    With mask_truncated, samples whose `truncated` is true get A = 0 after the above (their
+    rewards still count in the means). cfg: a PPOConfig or an ExperimentConfig; None = the
+    paper's (batch normalisation, or group with group_ids given).
+    """
+    if cfg is None:
+        cfg = PPOConfig(adv_norm="batch" if group_ids is None else "group")
+    ppo = _ppo(cfg)
+    r = rewards.to(torch.float64)
+    est = ppo.adv_estimator
+    level = ppo.adv_norm if est == "norm" else None
+    if (est in GROUP_ESTIMATORS or level == "group") and group_ids is None:
+        raise ValueError(f"adv_estimator={est} (adv_norm={level}) needs the samples' group_ids")
+    if est == "norm":
+        if level == "none":
+            adv = r.clone()
+        elif level == "batch":
+            adv = r - r.mean()
+            if ppo.adv_std_norm:
+                adv = adv / (r.std(unbiased=False) + ADV_EPS)
+        else:
+            adv = r - _group_mean(r, group_ids)
+            if ppo.adv_std_norm:
+                adv = adv / (_group_std(r, group_ids) + ADV_EPS)
+    elif est == "grpo":
+        adv = (r - _group_mean(r, group_ids)) / (_group_std(r, group_ids) + ADV_EPS)
+    elif est == "dr_grpo":
+        adv = r - _group_mean(r, group_ids)
+    elif est == "rloo":
+        adv = r - _group_mean(r, group_ids, leave_one_out=True)
+    elif est == "reinforce_pp":
+        adv = _batch_whiten(r)
+    else:
+        assert est == "reinforce_pp_baseline", est
+        adv = _batch_whiten(r - _group_mean(r, group_ids))
+    if ppo.mask_truncated and truncated is not None:
+        adv = torch.where(truncated.bool(), 0.0, adv)
+    return adv.float()
+
+
+# ---------------------------------------------------------------- which tokens count
 
 
 def behaviour_weight_mask(
@@ -34,6 +196,249 @@ def behaviour_weight_mask(
     return valid
 
 
+def m2po_threshold(second_moments: torch.Tensor, tau: float) -> float:
+    """M2PO's cut (Zheng et al. 2025): tokens with m = (log pi_prox/pi_behav)^2 >= the
+    returned value are masked. The largest values are removed, equal values together, until
+    the mean of the rest is <= tau; inf when nothing needs removing.
+
+    `second_moments` holds m of every valid token of the batch (all ranks' together).
+    """
+    m = torch.sort(second_moments.to(torch.float64).flatten(), descending=True).values
+    n = len(m)
+    if n == 0 or m.mean() <= tau:
+        return float("inf")
+    # rest_mean[k]: the mean after removing the k largest (k = 0 .. n-1).
+    suffix = torch.flip(torch.cumsum(torch.flip(m, [0]), 0), [0])  # suffix[k] = sum of m[k:]
+    rest_mean = suffix / torch.arange(n, 0, -1, dtype=torch.float64)
+    # Only between two different values can the cut fall (k >= 1: m[k-1] > m[k]).
+    boundary = torch.zeros(n, dtype=torch.bool)
+    boundary[1:] = m[:-1] > m[1:]
+    ok = (boundary & (rest_mean <= tau)).nonzero()
+    return float(m[ok[0, 0] - 1]) if len(ok) else float(m[-1])  # none: everything goes
+
+
+def token_mask(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: Any,
+) -> torch.Tensor:
+    """The valid tokens of one batch: generated, within behav_imp_weight_cap, and not cut by
+    the M2PO mask (over these tokens; the trainer applies it over the whole batch)."""
+    ppo = _ppo(cfg)
+    valid = behaviour_weight_mask(
+        proximal_logprobs, behaviour_logprobs, loss_mask, ppo.behav_imp_weight_cap
+    )
+    if ppo.m2po_tau is not None:
+        m = (proximal_logprobs - behaviour_logprobs).double() ** 2
+        valid = valid & (m < m2po_threshold(m[valid], ppo.m2po_tau))
+    return valid
+
+
+def approx_proximal_logprobs(
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, versions: torch.Tensor, version: int
+) -> torch.Tensor:
+    """prox_approx=loglinear (upstream AReaL): the proximal log-prob interpolated between the
+    behaviour's and theta's by policy version, without a proximal forward pass:
+
+        log pi_prox ~ log pi_behav + alpha (log pi_theta - log pi_behav)
+        alpha = (v_prox - v_behav) / (v_theta - v_behav),  v_prox = version, v_theta = version + 1
+
+    A token of the current version (alpha = 0) keeps its behaviour log-prob, exact for
+    tokens generated by the weights the trainer holds. Detached: a constant of the loss.
+    """
+    v_behav = versions.to(torch.float64)
+    alpha = ((version - v_behav) / (version + 1 - v_behav)).clamp(0.0, 1.0)
+    behav = behaviour_logprobs.to(torch.float64)
+    prox = behav + alpha * (logprobs.detach().to(torch.float64) - behav)
+    return prox.to(logprobs.dtype)
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(theta || ref) from samples of theta (log r = logprobs - ref)."""
+    log_r = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    assert estimator == "k3", estimator
+    return torch.exp(-log_r) - 1 + log_r
+
+
+def _segments(
+    seq_lens: Sequence[int] | torch.Tensor, n_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """The sequence index of each token of the packed stream."""
+    lens = torch.as_tensor(seq_lens, dtype=torch.long, device=device)
+    assert int(lens.sum()) == n_tokens, f"seq_lens sum to {int(lens.sum())}, not {n_tokens}"
+    return torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+
+
+def _per_seq(x: torch.Tensor, seq_id: torch.Tensor, n_seqs: int) -> torch.Tensor:
+    return torch.zeros(n_seqs, dtype=x.dtype, device=x.device).index_add(0, seq_id, x)
+
+
+def norm_count(valid: torch.Tensor, seq_lens: Sequence[int] | torch.Tensor, cfg: Any) -> int:
+    """What loss_agg divides by, counted on these tokens: valid tokens (token_mean) or
+    sequences with a valid token. The trainer sums it over a minibatch into n_norm."""
+    if _ppo(cfg).loss_agg == "token_mean":
+        return int(valid.sum())
+    seq_id = _segments(seq_lens, len(valid), valid.device)
+    return int((_per_seq(valid.long(), seq_id, len(seq_lens)) > 0).sum())
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    cfg: Any,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    n_norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective of one packed stream (module docstring) and its statistics.
+
+    The valid tokens are masked here (the cap, and M2PO over these tokens); n_norm is
+    loss_agg's denominator for the whole minibatch (norm_count summed over its parts), None
+    = this stream's own. ref_logprobs: needed when kl_coef > 0 and kl_in=loss; entropy
+    (per token): needed when entropy_coef > 0.
+    """
+    valid = token_mask(proximal_logprobs, behaviour_logprobs, loss_mask, cfg)
+    return masked_policy_loss(
+        logprobs,
+        proximal_logprobs,
+        behaviour_logprobs,
+        advantages,
+        loss_mask,
+        valid,
+        seq_lens,
+        cfg,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        n_norm=n_norm,
+    )
+
+
+def masked_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    valid: torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    cfg: Any,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    n_norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """policy_loss with the valid tokens given (the trainer masks over the whole batch)."""
+    ppo = _ppo(cfg)
+    valid = valid.bool()
+    n_seqs = len(seq_lens)
+    seq_id = _segments(seq_lens, len(logprobs), logprobs.device)
+    n_tok_seq = _per_seq(valid.to(logprobs.dtype), seq_id, n_seqs)  # valid tokens per sequence
+    if n_norm is None:
+        n_norm = norm_count(valid, seq_lens, ppo)
+    n_norm = max(float(n_norm), 1.0)
+    zero = torch.zeros_like(logprobs)
+
+    # Select inputs, not outputs: an excluded token's log-probs may be anything (a weight
+    # of inf), and inf * 0 in the backward of a selected output is nan.
+    log_w = torch.where(valid, proximal_logprobs - behaviour_logprobs, zero).detach()
+    log_u = torch.where(valid, logprobs - proximal_logprobs.detach(), zero)
+    if ppo.importance_sampling_level != "token":
+        seq_mean = _per_seq(log_u, seq_id, n_seqs) / n_tok_seq.clamp(min=1)
+        seq_log_u = seq_mean[seq_id]
+        if ppo.importance_sampling_level == "sequence_token":
+            lp = torch.where(valid, logprobs, zero)
+            seq_log_u = seq_log_u.detach() + lp - lp.detach()
+        log_ratio = seq_log_u
+        log_w = (_per_seq(log_w, seq_id, n_seqs) / n_tok_seq.clamp(min=1))[seq_id]
+    else:
+        log_ratio = log_u
+    ratio = torch.exp(log_ratio)
+    behav_weight = torch.exp(log_w)
+    lo, hi = 1.0 - ppo.eps_clip, 1.0 + ppo.eps_clip_higher
+    clipped_ratio = torch.clamp(ratio, lo, hi)
+    adv = advantages.to(logprobs.dtype)
+
+    if ppo.loss == "ppo":
+        surrogate = ratio * adv
+        surrogate_clipped = clipped_ratio * adv
+        objective = torch.minimum(surrogate, surrogate_clipped)
+        clipped = surrogate_clipped < surrogate
+        if ppo.c_clip is not None:
+            dual = torch.maximum(objective, ppo.c_clip * adv)
+            clipped = clipped | ((adv < 0) & (dual > objective))
+            objective = torch.where(adv < 0, dual, objective)
+    else:  # cispo
+        lp = torch.where(valid, logprobs, zero)
+        objective = clipped_ratio.detach() * adv * lp
+        clipped = (ratio < lo) | (ratio > hi)
+    per_token = -behav_weight * objective
+
+    kl = None
+    if ppo.kl_coef > 0 and ppo.kl_in == "loss":
+        assert ref_logprobs is not None, "kl_coef > 0 with kl_in=loss needs ref_logprobs"
+        ref = torch.where(valid, ref_logprobs.to(logprobs.dtype), logprobs.detach())
+        kl = torch.where(valid, kl_estimate(logprobs, ref, ppo.kl_estimator), zero)
+        per_token = per_token + ppo.kl_coef * kl
+    if ppo.entropy_coef > 0:
+        assert entropy is not None, "entropy_coef > 0 needs the per-token entropy"
+        per_token = per_token - ppo.entropy_coef * torch.where(valid, entropy, zero)
+
+    loss = _aggregate(torch.where(valid, per_token, zero), seq_id, n_tok_seq, ppo, n_norm)
+
+    with torch.no_grad():
+        n_local = valid.sum()
+        n = n_local.clamp(min=1)
+
+        def token_mean(x: torch.Tensor) -> float:
+            return (torch.where(valid, x, zero).sum() / n).item()
+
+        stats = {
+            "loss/clipfrac": ((clipped & valid).sum() / n).item(),
+            # k3 estimator of KL(prox || theta) per token: non-negative, low variance.
+            "loss/approx_kl": token_mean(torch.exp(log_u) - 1 - log_u),
+            "loss/behav_weight_mean": token_mean(behav_weight),
+            "loss/behav_weight_max": behav_weight[valid].max().item() if n_local else 0.0,
+            "loss/n_valid_tokens": n_local.item(),
+            "loss/n_capped_tokens": (loss_mask.bool() & ~valid).sum().item(),
+        }
+        if kl is not None:
+            stats["loss/kl_ref"] = token_mean(kl)
+        if entropy is not None:
+            stats["loss/entropy"] = token_mean(entropy.detach())
+    return loss, stats
+
+
+def _aggregate(
+    per_token: torch.Tensor,
+    seq_id: torch.Tensor,
+    n_tok_seq: torch.Tensor,
+    ppo: PPOConfig,
+    n_norm: float,
+) -> torch.Tensor:
+    """loss_agg of a per-token loss (zero off the valid tokens) over the minibatch's n_norm."""
+    if ppo.loss_agg == "token_mean":
+        return per_token.sum() / n_norm
+    per_seq = _per_seq(per_token, seq_id, len(n_tok_seq))
+    if ppo.loss_agg == "seq_mean_token_mean":
+        per_seq = per_seq / n_tok_seq.clamp(min=1)
+    elif ppo.loss_agg == "seq_mean_token_sum_norm":
+        if ppo.loss_agg_norm_len is None:
+            raise ValueError("loss_agg=seq_mean_token_sum_norm needs ppo.loss_agg_norm_len")
+        per_seq = per_seq / ppo.loss_agg_norm_len
+    return per_seq.sum() / n_norm
+
+
 def decoupled_ppo_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,
@@ -44,60 +449,24 @@ def decoupled_ppo_loss(
     behav_imp_weight_cap: float | None = None,
     n_valid_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The decoupled PPO loss of one micro-batch and its statistics.
+    """The paper's decoupled PPO loss (the `areal` recipe) of one micro-batch:
 
-    n_valid_tokens is the normaliser: the valid-token count of the whole minibatch across
-    all micro-batches and data-parallel ranks, so that the summed gradient does not depend
-    on how the minibatch was cut. None means this micro-batch's own count (a plain mean).
+        L = mean over valid tokens of -(pi_prox / pi_behav) * min(u A, clip(u, 1-eps, 1+eps) A)
+
+    n_valid_tokens: the minibatch's valid tokens over all micro-batches and ranks; None =
+    this micro-batch's own. Naive PPO is prox = behav (pass behaviour log-probs as proximal).
     """
     valid = behaviour_weight_mask(
         proximal_logprobs, behaviour_logprobs, loss_mask, behav_imp_weight_cap
     )
-    n_local = valid.sum()
-    denom = n_valid_tokens if n_valid_tokens is not None else n_local.clamp(min=1)
-
-    # Behaviour weight pi_prox / pi_behav: a constant that corrects for stale sampling.
-    behav_weight = torch.exp(proximal_logprobs - behaviour_logprobs).detach()
-    # u = pi_theta / pi_prox: the trust region is centred on the proximal policy.
-    log_ratio = logprobs - proximal_logprobs.detach()
-    ratio = torch.exp(log_ratio)
-    surrogate = ratio * advantages
-    surrogate_clipped = torch.clamp(ratio, 1.0 - eps_clip, 1.0 + eps_clip) * advantages
-    objective = behav_weight * torch.minimum(surrogate, surrogate_clipped)
-    # Select, never multiply by the mask: an excluded token's weight may be inf (0 * inf = nan).
-    zero = torch.zeros_like(objective)
-    loss = -torch.where(valid, objective, zero).sum() / denom
-
-    with torch.no_grad():
-        n = n_local.clamp(min=1)
-        clipped = (surrogate_clipped < surrogate) & valid
-        stats = {
-            "loss/clipfrac": (clipped.sum() / n).item(),
-            # k3 estimator of KL(prox || theta): non-negative, low variance.
-            "loss/approx_kl": torch.where(valid, (ratio - 1) - log_ratio, zero).sum().div(n).item(),
-            "loss/behav_weight_mean": torch.where(valid, behav_weight, zero).sum().div(n).item(),
-            "loss/behav_weight_max": behav_weight[valid].max().item() if n_local else 0.0,
-            "loss/n_valid_tokens": n_local.item(),
-            "loss/n_capped_tokens": (loss_mask.bool() & ~valid).sum().item(),
-        }
-    return loss, stats
-
-
-def compute_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor | None = None, eps: float = 1e-6
-) -> torch.Tensor:
-    """Per-sequence advantages with gamma = lambda = 1 and no critic.
-
-    Every token of a response gets its sequence's normalised final reward. By default
-    (the paper) rewards are normalised over the whole global batch; with group_ids each
-    reward is normalised within the samples of its own prompt (GRPO style).
-    """
-    rewards = rewards.to(torch.float64)
-    if group_ids is None:
-        return ((rewards - rewards.mean()) / (rewards.std(unbiased=False) + eps)).float()
-    adv = torch.empty_like(rewards)
-    for g in torch.unique(group_ids):
-        sel = group_ids == g
-        r = rewards[sel]
-        adv[sel] = (r - r.mean()) / (r.std(unbiased=False) + eps)
-    return adv.float()
+    return masked_policy_loss(
+        logprobs,
+        proximal_logprobs,
+        behaviour_logprobs,
+        advantages,
+        loss_mask,
+        valid,
+        [len(logprobs)],
+        PPOConfig(eps_clip=eps_clip),
+        n_norm=n_valid_tokens,
+    )

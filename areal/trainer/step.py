@@ -2,12 +2,14 @@
 
 batch of B*G trajectories
   1) proximal log-probs: one no-grad forward with the weights at the start of the step
-     (without a behaviour-weight cap, the first minibatch's own forward gives its share)
-  2) advantages: final reward, normalised over the batch (or per prompt group)
-  3) for each of ppo.n_minibatches minibatches, in order:
+     (without a mask that needs them first, the first minibatch's own forward gives its
+     share; with ppo.prox_approx none at all); the reference policy's, with ppo.kl_coef
+  2) rewards shaped, advantages (ppo.adv_estimator) over the whole batch
+  3) the valid tokens: generated, within the cap, kept by M2PO's mask over the batch
+  4) for each of ppo.n_minibatches minibatches, in order:
        this rank's token-balanced share (all of it without data parallelism)
        -> dynamic micro-batches, as many on every rank
-       -> decoupled PPO loss / valid tokens of the whole minibatch on all ranks
+       -> ppo.policy_loss / loss_agg's count of the whole minibatch on all ranks
        -> backward -> gradients summed over ranks -> clip -> one optimizer step
 
 The backend (backend.TrainerBackend) runs the micro-batches: `forward` for the proximal
@@ -18,6 +20,7 @@ pipeline schedule whose last stage calls loss_fn. Either way every rank gets the
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -25,17 +28,18 @@ from collections.abc import Sequence
 import torch
 
 from areal import events
+from areal.config import PPOConfig
+from areal.trainer import ppo as objective
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.batching import allocate_micro_batches
 from areal.trainer.parallel import DataParallel
-from areal.trainer.ppo import behaviour_weight_mask, compute_advantages, decoupled_ppo_loss
 from areal.trajectory import Trajectory
 
 
-def _token_tensors(trajs: Sequence[Trajectory], advantages: torch.Tensor):
+def _token_tensors(trajs: Sequence[Trajectory]):
     """Per-sequence tensors aligned with the backend's log-prob stream (L-1 entries each)."""
     out = []
-    for traj, adv in zip(trajs, advantages, strict=True):
+    for traj in trajs:
         n_prompt, n_out = len(traj.prompt_ids), len(traj.output_ids)
         length = n_prompt + n_out - 1
         mask = torch.zeros(length)
@@ -53,14 +57,19 @@ def _token_tensors(trajs: Sequence[Trajectory], advantages: torch.Tensor):
             {
                 "mask": mask,
                 "behav": behav,
-                "adv": torch.full((length,), float(adv)),
                 "version": version,
             }
         )
     return out
 
 
-_TOKEN_MEANS = ("loss/clipfrac", "loss/approx_kl", "loss/behav_weight_mean")
+_TOKEN_MEANS = (
+    "loss/clipfrac",
+    "loss/approx_kl",
+    "loss/behav_weight_mean",
+    "loss/kl_ref",
+    "loss/entropy",
+)
 _COUNTS = ("loss/n_valid_tokens", "loss/n_capped_tokens", "loss/behav_weight_max")
 _FRESH = ("train/fresh_tokens", "train/fresh_logprob_diff_max")
 _CHECKED = ("prox", "behav", "version")  # what the fresh-token check compares
@@ -143,32 +152,31 @@ def train_step(
     backend: TrainerBackend,
     trajs: Sequence[Trajectory],
     *,
-    eps_clip: float,
-    use_decoupled_loss: bool,
-    behav_imp_weight_cap: float | None,
-    n_minibatches: int,
-    adv_norm: str,
+    ppo: PPOConfig,
     max_tokens_per_mb: int,
     min_n_mbs: int = 1,
     seed: int = 0,
     dp: DataParallel | None = None,
     version: int | None = None,
+    ref: TrainerBackend | None = None,
+    max_new_tokens: int | None = None,
 ) -> dict[str, float]:
     """One PPO training step on the whole batch; with dp, on this rank's share of it.
 
     Every rank passes the same batch. The returned statistics are of the whole batch and
     the same on every rank. `version` (the trainer's, before this step) enables the check
-    of fresh tokens' log-probs (train/fresh_*).
+    of fresh tokens' log-probs (train/fresh_*). `ref`: the frozen reference policy
+    (ppo.kl_coef > 0); `max_new_tokens`: rollout.max_new_tokens (ppo.overlong_penalty).
     """
     dp = dp or DataParallel()
+    if ppo.loss_agg_norm_len is None and max_new_tokens is not None:  # ExperimentConfig sets it
+        ppo = dataclasses.replace(ppo, loss_agg_norm_len=max_new_tokens)
+    n_minibatches = ppo.n_minibatches
     seqs = [t.prompt_ids + t.output_ids for t in trajs]
     seqlens = [len(s) for s in seqs]
     # The loss reads each stream from its first generated token's prediction on.
     starts = [len(t.prompt_ids) - 1 for t in trajs]
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    group_ids = torch.tensor([t.group_id for t in trajs]) if adv_norm == "group" else None
-    advantages = compute_advantages(rewards, group_ids)  # over the whole batch, on every rank
-    tokens = _token_tensors(trajs, advantages)
+    tokens = _token_tensors(trajs)
 
     # Minibatches over a fixed shuffle of the batch; each rank takes a token-balanced share.
     order = list(range(len(trajs)))
@@ -178,16 +186,18 @@ def train_step(
     mine = sorted({i for share in shares for i in share})
 
     # 1) proximal policy = the weights before this step's first update, for this rank's
-    #    sequences only. Naive PPO uses the behaviour policy in its place. Without a cap the
-    #    first minibatch needs no proximal log-prob before its own forward (its normaliser
-    #    counts generated tokens only), and that forward runs on the very weights the
-    #    proximal pass would: its log-probs, detached, are the proximal ones (one forward
-    #    over a 1/n_minibatches of the batch saved, the whole pass with one minibatch).
-    reuse_first = use_decoupled_loss and behav_imp_weight_cap is None
-    check_fresh = use_decoupled_loss and version is not None
+    #    sequences only. Naive PPO uses the behaviour policy in its place. Without a mask
+    #    that needs them before the update, the first minibatch's forward runs on the very
+    #    weights the proximal pass would: its log-probs, detached, are the proximal ones
+    #    (one forward over 1/n_minibatches of the batch saved, the whole pass with one
+    #    minibatch). prox_approx interpolates them in the loss instead (no pass at all).
+    decoupled, approx = ppo.use_decoupled_loss, ppo.prox_approx != "none"
+    masks_first = ppo.behav_imp_weight_cap is not None or ppo.m2po_tau is not None
+    reuse_first = decoupled and not approx and not masks_first
+    check_fresh = decoupled and version is not None
     rest: list[int] = []  # the sequences of the proximal pass
     prox: dict[int, torch.Tensor] = {}
-    if use_decoupled_loss:
+    if decoupled and not approx:
         first = set(shares[0]) if reuse_first else set()
         rest = [i for i in mine if i not in first]
         if rest:
@@ -199,63 +209,143 @@ def train_step(
     for i in mine:  # naive PPO, and the first minibatch until its forward: the behaviour's
         t = tokens[i]
         t["prox"] = torch.where(t["mask"].bool(), prox.get(i, t["behav"]), 0.0)
+    t_ref = 0.0
+    if ppo.kl_coef > 0:
+        assert ref is not None, "ppo.kl_coef > 0 needs the reference policy (ref)"
+        t0 = time.time()
+        with events.span("reference", version=version):
+            ref_lps = proximal_logprobs(
+                ref, [seqs[i] for i in mine], max_tokens_per_mb, [starts[i] for i in mine]
+            )
+        t_ref = time.time() - t0
+        for i, lp in zip(mine, ref_lps, strict=True):
+            tokens[i]["ref"] = torch.where(tokens[i]["mask"].bool(), lp, tokens[i]["behav"])
 
-    # 2) sequential minibatch updates
-    stats = dict.fromkeys(("loss/ppo", *_TOKEN_MEANS, *_COUNTS), 0.0)
+    # 2) rewards shaped, then advantages over the whole batch (the same on every rank)
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    shaped = objective.shape_rewards(
+        rewards,
+        torch.tensor([len(t.output_ids) for t in trajs]),
+        torch.tensor([t.finish_reason == "length" for t in trajs]),
+        ppo,
+        max_new_tokens=max_new_tokens,
+    )
+    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
+        # Each sample's KL to the reference under the policy that sampled it (behaviour),
+        # summed over its generated tokens; every rank fills its own and sums the rest in.
+        kl_sums = [0.0] * len(trajs)
+        for i in mine:
+            t = tokens[i]
+            kl = objective.kl_estimate(t["behav"], t["ref"], ppo.kl_estimator)
+            kl_sums[i] = float(torch.where(t["mask"].bool(), kl, 0.0).sum())
+        shaped = shaped - ppo.kl_coef * torch.tensor(dp.all_reduce(kl_sums), dtype=torch.float64)
+    advantages = objective.compute_advantages(
+        shaped,
+        torch.tensor([t.group_id for t in trajs]),
+        ppo,
+        truncated=torch.tensor([t.finish_reason == "length" for t in trajs]),
+    )
+    for i in mine:
+        tokens[i]["adv"] = torch.full_like(tokens[i]["behav"], float(advantages[i]))
+
+    # 3) the valid tokens; M2PO's cut over the whole batch (every rank's valid tokens)
+    for i in mine:
+        t = tokens[i]
+        t["valid"] = objective.behaviour_weight_mask(
+            t["prox"], t["behav"], t["mask"], ppo.behav_imp_weight_cap
+        )
+    n_m2po = 0
+    if ppo.m2po_tau is not None:
+        m2 = {i: (tokens[i]["prox"] - tokens[i]["behav"]).double() ** 2 for i in mine}
+        local = [m2[i][tokens[i]["valid"]] for i in mine]
+        batch_m2 = dp.all_gather(torch.cat(local) if local else torch.zeros(0))
+        cut = objective.m2po_threshold(batch_m2, ppo.m2po_tau)
+        for i in mine:
+            kept = tokens[i]["valid"] & (m2[i] < cut)
+            n_m2po += int((tokens[i]["valid"] & ~kept).sum())
+            tokens[i]["valid"] = kept
+
+    # 4) sequential minibatch updates
+    keys = ["loss/ppo", *_TOKEN_MEANS[:3], *_COUNTS]
+    keys += ["loss/kl_ref"] if ppo.kl_coef > 0 and ppo.kl_in == "loss" else []
+    keys += ["loss/entropy"] if ppo.entropy_coef > 0 else []
+    stats = dict.fromkeys(keys, 0.0)
     if check_fresh:
         stats.update(dict.fromkeys(_FRESH, 0.0))
         for i in rest:
             _accumulate(stats, _fresh_tokens_check(*(tokens[i][k] for k in _CHECKED), version))
+    if approx:
+        stats["train/prox_approx_gap_max"] = 0.0
+        v_now = version if version is not None else max(max(t.versions, default=0) for t in trajs)
     grad_norms = []
     spec = (max_tokens_per_mb, min_n_mbs)
+    with_entropy = ppo.entropy_coef > 0
     for m, (minibatch, share) in enumerate(zip(minibatches, shares, strict=True)):
         if not minibatch:
             continue
         t_update = time.time()  # the timeline's update span, to the optimizer step
         own_prox = reuse_first and m == 0
-        # The normaliser: valid tokens of the whole minibatch, over all ranks.
+        # The normaliser: loss_agg's count over the whole minibatch, over all ranks.
         n_local = sum(
-            behaviour_weight_mask(
-                tokens[i]["prox"], tokens[i]["behav"], tokens[i]["mask"], behav_imp_weight_cap
-            )
-            .sum()
-            .item()
-            for i in share
+            objective.norm_count(tokens[i]["valid"], [seqlens[i] - 1], ppo) for i in share
         )
-        (n_valid,) = dp.all_reduce([n_local], "sum")
+        (n_norm,) = dp.all_reduce([n_local], "sum")
         # Empty micro-batches (padding for data parallelism) run nothing.
         mbs = [mb for mb in _equal_micro_batches(seqs, share, spec, dp) if mb]
 
         def loss_fn(
             k: int,
             logprobs: torch.Tensor,
+            entropy: torch.Tensor | None = None,
             mbs: list[list[int]] = mbs,
-            n_valid: int = n_valid,
-            own: list[torch.Tensor] = own_prox,
+            n_norm: float = n_norm,
+            own: bool = own_prox,
+            first: bool = m == 0,
         ):
+            names = ["mask", "behav", "adv", "prox", "version", "valid"]
+            names += ["ref"] if ppo.kl_coef > 0 else []
             cat = {
                 key: torch.cat([tokens[i][key] for i in mbs[k]]).to(logprobs.device)
-                for key in ("mask", "behav", "adv", "prox", "version")
+                for key in names
             }
+            on = cat["mask"].bool()
             extra = {}
-            if own:
-                on = cat["mask"].bool()
-                cat["prox"] = torch.where(on, logprobs.detach(), 0.0)
+            if own or (approx and first):
+                # The first minibatch's forward runs on the proximal weights themselves.
                 if check_fresh:  # here, where the log-probs are (a pipeline's last stage)
-                    extra = _fresh_tokens_check(*(cat[k] for k in _CHECKED), version)
-            loss, mb_stats = decoupled_ppo_loss(
+                    now = torch.where(on, logprobs.detach(), 0.0)
+                    extra = _fresh_tokens_check(now, cat["behav"], cat["version"], version)
+            if own:
+                cat["prox"] = torch.where(on, logprobs.detach(), 0.0)
+            if approx:
+                cat["prox"] = torch.where(
+                    on,
+                    objective.approx_proximal_logprobs(
+                        logprobs, cat["behav"], cat["version"], v_now
+                    ),
+                    0.0,
+                )
+                if first:
+                    gap = (cat["prox"] - logprobs.detach())[cat["valid"]].abs()
+                    extra["train/prox_approx_gap_max"] = float(gap.max()) if len(gap) else 0.0
+            loss, mb_stats = objective.masked_policy_loss(
                 logprobs,
                 cat["prox"],
                 cat["behav"],
                 cat["adv"],
                 cat["mask"],
-                eps_clip=eps_clip,
-                behav_imp_weight_cap=behav_imp_weight_cap,
-                n_valid_tokens=max(n_valid, 1),
+                cat["valid"],
+                [seqlens[i] - 1 for i in mbs[k]],
+                ppo,
+                ref_logprobs=cat.get("ref"),
+                entropy=entropy,
+                n_norm=max(n_norm, 1),
             )
             return loss, {**mb_stats, **extra, "loss/ppo": loss.item() / n_minibatches}
 
-        for mb_stats in backend.forward_backward(_pick(seqs, mbs), loss_fn, _pick(starts, mbs)):
+        for mb_stats in backend.forward_backward(
+            _pick(seqs, mbs), loss_fn, _pick(starts, mbs), with_entropy=with_entropy
+        ):
             _accumulate(stats, mb_stats)
         # Clipping and the step come after the sum over ranks: every rank applies the same
         # update to the same weights.
@@ -263,11 +353,18 @@ def train_step(
         grad_norms.append(backend.optimizer_step())
         events.record("update", t_update, time.time(), version=version)
 
+    if ppo.m2po_tau is not None:
+        stats["loss/n_m2po_masked_tokens"] = float(n_m2po)
     stats = dp.reduce_stats(stats)
     n_tok = max(stats["loss/n_valid_tokens"], 1.0)
     for k in _TOKEN_MEANS:
-        stats[k] /= n_tok
+        if k in stats:
+            stats[k] /= n_tok
     stats["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
     stats["reward/mean"] = rewards.mean().item()
+    if not torch.equal(shaped, rewards):
+        stats["reward/shaped_mean"] = shaped.mean().item()
+    if ppo.kl_coef > 0:
+        stats["time/reference_s"] = t_ref
     stats["train/n_tokens"] = float(sum(t.n_generated for t in trajs))
     return stats

@@ -51,7 +51,7 @@ from areal.trainer.batching import (
     pack_sequences,
     scored_rows,
 )
-from areal.trainer.logprobs import token_logprobs
+from areal.trainer.logprobs import token_entropy, token_logprobs
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
 from areal.trainer.parallel import DataParallel
 from areal.weights import copy_companion_files
@@ -102,8 +102,11 @@ class TorchBackend:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     def logprobs(
-        self, seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
-    ) -> torch.Tensor:
+        self,
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+        with_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of every next token of every sequence, as one stream.
 
         For a sequence of length L the stream holds L-1 entries: entry t is
@@ -112,6 +115,7 @@ class TorchBackend:
         the same): the update reads only the predictions of generated tokens, and a logit
         row is vocabulary-sized, with its log-softmax, forward and backward (a tenth of a
         step of the 145k model with 25-token prompts and 32-token answers).
+        with_entropy: also the entropy of each predicted distribution, as a second stream.
         """
         input_ids, position_ids, cu_seqlens = pack_sequences(seqs)
         in_stream, scored = scored_rows(seqs, starts)
@@ -126,11 +130,18 @@ class TorchBackend:
                 **bounds,
             ).logits[0]  # [scored, V]
         labels = input_ids[positions + 1].to(self.device)
-        lp = token_logprobs(logits, labels, self.temperature)
-        every = torch.zeros(len(input_ids), dtype=lp.dtype, device=self.device)
-        every = every.index_put((positions.to(self.device),), lp)
+        rows = positions.to(self.device)
         # Indices made on the CPU: a boolean mask on a GPU stalls the host (see megatron's).
-        return every[in_stream.nonzero()[:, 0].to(self.device)]
+        kept = in_stream.nonzero()[:, 0].to(self.device)
+
+        def stream(values: torch.Tensor) -> torch.Tensor:
+            every = torch.zeros(len(input_ids), dtype=values.dtype, device=self.device)
+            return every.index_put((rows,), values)[kept]
+
+        lp = stream(token_logprobs(logits, labels, self.temperature))
+        if with_entropy:
+            return lp, stream(token_entropy(logits, self.temperature))
+        return lp
 
     @torch.no_grad()
     def logits(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -162,9 +173,10 @@ class TorchBackend:
         micro_batches: Sequence[Sequence[Sequence[int]]],
         loss_fn: LossFn,
         starts: Sequence[Sequence[int]] | None = None,
+        with_entropy: bool = False,
     ) -> list[dict[str, float]]:
         """The plain micro-batch loop (batching.forward_backward_loop) over self.logprobs."""
-        return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts)
+        return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts, with_entropy)
 
     def reduce_grads(self, dp: DataParallel) -> None:
         """Sum gradients over the data-parallel ranks (a no-op without them)."""

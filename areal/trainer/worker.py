@@ -38,7 +38,7 @@ from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
 from areal.cores import role_cores
-from areal.trainer.backend import TrainerBackend, make_backend
+from areal.trainer.backend import TrainerBackend, make_backend, make_reference
 from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import train_step
 from areal.trajectory import Trajectory
@@ -170,6 +170,8 @@ def _train(cfg: ExperimentConfig, key: bytes, dp: DataParallel) -> None:
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
     model_dir = resume_from.model_dir if resume_from else cfg.model.path
     backend, dp = make_backend(cfg, model_dir, dp)
+    # The reference policy stays the initial weights, a resumed run's too.
+    ref = make_reference(cfg, dp) if cfg.ppo.kl_coef > 0 else None
     cores.follow(backend.model)  # borrows idle servers' cores layer by layer
     version = 0  # completed trainer updates: the weights this rank holds
     if resume_from:
@@ -188,7 +190,7 @@ def _train(cfg: ExperimentConfig, key: bytes, dp: DataParallel) -> None:
         cores.work()
         trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
         t_batch = time.time()
-        stats = train_step(backend, trajs, dp=dp, **_step_args(cfg, version))
+        stats = train_step(backend, trajs, dp=dp, ref=ref, **_step_args(cfg, version))
         t_train = time.time() - t_batch
         stats["time/train_threads"] = cores.threads_mean()
         stale = staleness(trajs, version)
@@ -258,11 +260,8 @@ class _Metrics:
 def _step_args(cfg: ExperimentConfig, version: int) -> dict:
     """train_step's arguments for the step from `version` to version + 1."""
     return dict(
-        eps_clip=cfg.ppo.eps_clip,
-        use_decoupled_loss=cfg.ppo.use_decoupled_loss,
-        behav_imp_weight_cap=cfg.ppo.behav_imp_weight_cap,
-        n_minibatches=cfg.ppo.n_minibatches,
-        adv_norm=cfg.ppo.adv_norm,
+        ppo=cfg.ppo,
+        max_new_tokens=cfg.rollout.max_new_tokens,
         max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,
         min_n_mbs=cfg.trainer.mb_spec.min_n_mbs,
         seed=cfg.seed + version,  # the same shuffle on every rank

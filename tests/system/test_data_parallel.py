@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 import areal.trainer.step as step_mod
 from areal.comm import wire
 from areal.comm.net import free_port
+from areal.config import PPOConfig
 from areal.models.tiny import make_tiny_model
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
@@ -37,12 +38,22 @@ from tests.system.test_run import (
     run_train,
 )
 
+OBJECTIVES = {
+    "areal": PPOConfig(behav_imp_weight_cap=2.0, n_minibatches=2),
+    # Masks over the whole batch (M2PO), per-sequence aggregation, the sequence ratio: each
+    # needs a count or a cut that spans the ranks.
+    "m2po_gspo_drgrpo": PPOConfig(
+        n_minibatches=2,
+        m2po_tau=0.06,
+        adv_estimator="grpo",
+        importance_sampling_level="sequence",
+        eps_clip=0.05,
+        loss_agg="seq_mean_token_sum_norm",
+        loss_agg_norm_len=16,
+    ),
+}
 STEP_ARGS = dict(
-    eps_clip=0.2,
-    use_decoupled_loss=True,
-    behav_imp_weight_cap=2.0,
-    n_minibatches=2,
-    adv_norm="batch",
+    ppo=OBJECTIVES["areal"],
     max_tokens_per_mb=40,  # the longest sequence: several micro-batches per rank
     seed=3,
 )
@@ -109,7 +120,9 @@ class Recorder:
         step_mod._equal_micro_batches = equal  # callers restore it (monkeypatch)
 
 
-def _rank_main(rank: int, model_dir: str, batch_file: str, out_dir: str, port: int) -> None:
+def _rank_main(
+    rank: int, model_dir: str, batch_file: str, out_dir: str, port: int, objective: str
+) -> None:
     join_world(rank, 2, port)
     dp = init_data_parallel(2, rank, timeout_s=60)
     try:
@@ -119,7 +132,7 @@ def _rank_main(rank: int, model_dir: str, batch_file: str, out_dir: str, port: i
         wire_batch = wire.unpack(Path(batch_file).read_bytes()) if rank == 0 else None
         wire_batch = dp.broadcast_object(wire_batch)
         trajs = [Trajectory.from_wire(d) for d in wire_batch]
-        stats = train_step(backend, trajs, dp=dp, **STEP_ARGS)
+        stats = train_step(backend, trajs, dp=dp, **{**STEP_ARGS, "ppo": OBJECTIVES[objective]})
         out = Path(out_dir)
         tensors = {f"grad{k}.{j}": g for k, gs in enumerate(rec.grads) for j, g in enumerate(gs)}
         tensors.update({f"param.{j}": p.detach() for j, p in enumerate(backend.model.parameters())})
@@ -135,14 +148,15 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", warmup_steps=0)
 
 
-def run_single(model_dir, trajs):
+def run_single(model_dir, trajs, objective: str = "areal"):
     torch.set_num_threads(1)
     backend = make_backend(model_dir)
     rec = Recorder(backend)
-    return backend, rec, train_step(backend, trajs, **STEP_ARGS)
+    return backend, rec, train_step(backend, trajs, **{**STEP_ARGS, "ppo": OBJECTIVES[objective]})
 
 
-def test_two_gloo_ranks_equal_one_rank(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_two_gloo_ranks_equal_one_rank(model_dir, tmp_path, monkeypatch, objective):
     # The spy replaces step._equal_micro_batches in this process; restore it afterwards.
     monkeypatch.setattr(step_mod, "_equal_micro_batches", step_mod._equal_micro_batches)
     vocab = make_backend(model_dir).model.config.vocab_size
@@ -151,9 +165,11 @@ def test_two_gloo_ranks_equal_one_rank(model_dir, tmp_path, monkeypatch):
     batch_file.write_bytes(wire.pack([t.to_wire() for t in trajs]))
 
     mp.spawn(
-        _rank_main, args=(str(model_dir), str(batch_file), str(tmp_path), free_port()), nprocs=2
+        _rank_main,
+        args=(str(model_dir), str(batch_file), str(tmp_path), free_port(), objective),
+        nprocs=2,
     )
-    single, rec, s_one = run_single(model_dir, trajs)
+    single, rec, s_one = run_single(model_dir, trajs, objective)
 
     infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     tensors = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(2)]
@@ -180,7 +196,8 @@ def test_two_gloo_ranks_equal_one_rank(model_dir, tmp_path, monkeypatch):
     for key, value in s_one.items():
         for info in infos:
             assert info["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    assert s_one["loss/n_capped_tokens"] > 0  # the cap and its normaliser were exercised
+    # The cap (or M2PO's cut) and its normaliser were exercised, and M2PO kept most tokens.
+    assert 0 < s_one["loss/n_capped_tokens"] < s_one["loss/n_valid_tokens"]
 
 
 def _dead_peer_main(rank: int, port: int, out_dir: str) -> None:

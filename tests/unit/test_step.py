@@ -3,6 +3,7 @@ vs naive PPO, and the statistics it reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import areal.trainer.step as step_mod
+from areal.config import PPOConfig
 from areal.models.tiny import make_tiny_model
 from areal.trainer.batching import allocate_micro_batches
 from areal.trainer.ppo import compute_advantages
@@ -30,9 +32,9 @@ class RecordingBackend(TorchBackend):
         self.calls: list[list[list[int]]] = []
         self.grads: list[list[torch.Tensor]] = []
 
-    def logprobs(self, seqs, starts=None):
+    def logprobs(self, seqs, starts=None, with_entropy=False):
         self.calls.append([list(s) for s in seqs])
-        return super().logprobs(seqs, starts)
+        return super().logprobs(seqs, starts, with_entropy)
 
     def optimizer_step(self) -> float:
         self.grads.append([p.grad.detach().clone() for p in self.model.parameters()])
@@ -98,18 +100,20 @@ def trajectories(model_dir):
     return {"own": own, "perturbed": perturbed, "noise": noises}
 
 
+PPO_KEYS = {f.name for f in dataclasses.fields(PPOConfig)}
+
+
+def step_args(**overrides) -> dict:
+    """train_step's arguments: the ppo knobs among `overrides` make its PPOConfig."""
+    knobs = {k: overrides.pop(k) for k in list(overrides) if k in PPO_KEYS}
+    return dict(ppo=PPOConfig(**{"n_minibatches": 1, **knobs}), **overrides)
+
+
 def run_step(model_dir, trajs, **overrides):
     backend = make_backend(model_dir)
-    kw = dict(
-        eps_clip=0.2,
-        use_decoupled_loss=True,
-        behav_imp_weight_cap=None,
-        n_minibatches=1,
-        adv_norm="global",
-        max_tokens_per_mb=BIG_BUDGET,
+    stats = train_step(
+        backend, trajs, **step_args(**{"max_tokens_per_mb": BIG_BUDGET, **overrides})
     )
-    kw.update(overrides)
-    stats = train_step(backend, trajs, **kw)
     return backend, stats
 
 
@@ -214,24 +218,15 @@ def test_every_minibatch_uses_the_proximal_logprobs_of_the_step_start(
     start = proximal_logprobs(make_backend(model_dir), seqs, BIG_BUDGET)
     backend = make_backend(model_dir)
     seen = []
-    real_loss = step_mod.decoupled_ppo_loss
+    real_loss = step_mod.objective.masked_policy_loss
 
-    def recording_loss(logprobs, prox, behav, adv, mask, **kw):
+    def recording_loss(logprobs, prox, behav, adv, mask, *args, **kw):
         mb_seqs = backend.calls[-1]
         seen.append((logprobs.detach(), prox, mask, [seqs.index(s) for s in mb_seqs]))
-        return real_loss(logprobs, prox, behav, adv, mask, **kw)
+        return real_loss(logprobs, prox, behav, adv, mask, *args, **kw)
 
-    monkeypatch.setattr(step_mod, "decoupled_ppo_loss", recording_loss)
-    train_step(
-        backend,
-        trajs,
-        eps_clip=0.2,
-        use_decoupled_loss=True,
-        behav_imp_weight_cap=None,
-        n_minibatches=2,
-        adv_norm="global",
-        max_tokens_per_mb=BIG_BUDGET,
-    )
+    monkeypatch.setattr(step_mod.objective, "masked_policy_loss", recording_loss)
+    train_step(backend, trajs, **step_args(n_minibatches=2, max_tokens_per_mb=BIG_BUDGET))
     assert len(seen) == 2  # one micro-batch per minibatch
     assert sorted(i for *_, idx in seen for i in idx) == list(range(len(trajs)))
     for k, (logprobs, prox, mask, idx) in enumerate(seen):
@@ -244,6 +239,38 @@ def test_every_minibatch_uses_the_proximal_logprobs_of_the_step_start(
             assert drift < 1e-5  # theta == prox before the first update
         else:
             assert drift > 1e-3  # the first update moved theta, not prox
+
+
+def test_entropy_stream_is_the_entropy_of_each_predicted_distribution(model_dir) -> None:
+    backend = make_backend(model_dir)
+    backend.temperature = 0.7
+    seqs = [[5, 9, 14, 3, 22, 7], [40, 2, 2, 8]]
+    lp, ent = backend.logprobs(seqs, [2, 1], with_entropy=True)
+    assert torch.equal(lp, backend.logprobs(seqs, [2, 1]))
+    expected = []
+    for seq, start in zip(seqs, [2, 1], strict=True):
+        with torch.no_grad():
+            logits = backend.model(input_ids=torch.tensor([seq])).logits[0, :-1].float() / 0.7
+        logp = torch.log_softmax(logits, -1)
+        h = -(logp.exp() * logp).sum(-1)
+        h[:start] = 0  # entries before the start are not computed
+        expected.append(h)
+    assert torch.allclose(ent, torch.cat(expected), atol=1e-5)
+    ent.sum().backward()  # the entropy bonus trains through it
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in backend.model.parameters())
+
+
+def test_entropy_bonus_and_reference_kl_in_train_step(model_dir, trajectories) -> None:
+    ref = make_backend(model_dir)
+    _, base = run_step(model_dir, trajectories["perturbed"])
+    _, stats = run_step(
+        model_dir, trajectories["perturbed"], entropy_coef=0.01, kl_coef=0.1, ref=ref
+    )
+    assert stats["loss/entropy"] > 0
+    # The first minibatch's theta is the initial model, the reference: KL 0 there.
+    assert stats["loss/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert stats["time/reference_s"] > 0
+    assert stats["loss/ppo"] != base["loss/ppo"]
 
 
 @pytest.mark.parametrize("n_minibatches", [1, 2])

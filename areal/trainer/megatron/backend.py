@@ -184,9 +184,13 @@ class MegatronBackend:
         micro_batches: Sequence[Sequence[Sequence[int]]],
         loss_fn: LossFn,
         starts: Sequence[Sequence[int]] | None = None,
+        with_entropy: bool = False,
     ) -> list[dict[str, float]]:
         """batching.forward_backward_loop's contract on every rank; with pp > 1 through a
-        pipeline schedule (see the module table)."""
+        pipeline schedule (see the module table). No entropy: the vocab-parallel entropy
+        is not built (the config refuses ppo.entropy_coef with this backend)."""
+        if with_entropy:
+            raise ValueError("the megatron backend does not compute entropies: entropy_coef=0")
         if self.pp == 1:
             return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts)
         return self._pipelined(micro_batches, loss_fn, starts)
@@ -212,10 +216,15 @@ class MegatronBackend:
         )
 
     def logprobs(
-        self, seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+        self,
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+        with_entropy: bool = False,
     ) -> torch.Tensor:
         """Log-probs of every next token of every sequence, as one stream (L-1 per sequence);
-        entries before starts[i] are 0 (see _token_logprobs)."""
+        entries before starts[i] are 0 (see _token_logprobs). No entropy (forward_backward)."""
+        if with_entropy:
+            raise ValueError("the megatron backend does not compute entropies: entropy_coef=0")
         logits, input_ids = self._forward(seqs)
         return self._token_logprobs(logits[None], input_ids, seqs, starts)
 

@@ -1,0 +1,48 @@
+"""Recipes in whole runs: `ppo.recipe=...` as a user writes it, through every process."""
+
+from __future__ import annotations
+
+import json
+
+from tests.system.test_run import processes_mentioning, read_metrics, run_train
+
+
+def test_grpo_with_dynamic_sampling_entropy_and_approximate_proximal(tmp_path):
+    """One run through the launcher with the knobs that reach beyond the loss: the
+    reference model (KL in the loss), dynamic sampling in the controller, the entropy
+    stream of the backend, and prox_approx (no proximal pass)."""
+    steps = 10
+    proc = run_train(
+        tmp_path,
+        f"total_train_steps={steps}",
+        "trial_name=grpo",
+        "ppo.recipe=grpo",
+        "ppo.dynamic_sampling=true",
+        "ppo.entropy_coef=0.001",
+        "ppo.prox_approx=loglinear",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The launcher says which objective it runs, resolved, in one line.
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("areal: objective"))
+    for part in ("recipe=grpo", "adv=grpo", "agg=seq_mean_token_mean", "kl=0.04*k3 in loss"):
+        assert part in line, line
+    assert "dynamic_sampling" in line and "prox_approx=loglinear" in line
+    exp = tmp_path / "tiny/grpo"
+    metrics = read_metrics(exp)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    # The reference policy is the initial weights: KL 0 before the first update, then not.
+    assert all(m["time/reference_s"] > 0 for m in metrics)
+    assert metrics[-1]["loss/kl_ref"] > 0
+    assert all(m["loss/entropy"] > 0 for m in metrics)
+    assert all("train/prox_approx_gap_max" in m for m in metrics)
+    assert max(m["train/fresh_logprob_diff_max"] for m in metrics) < 1e-3
+    # Dynamic sampling: groups of equal rewards were generated, dropped, and none trained.
+    assert sum(m["rollout/dropped_groups"] for m in metrics) > 0
+    group = 8
+    for line in (exp / "batches.jsonl").read_text().splitlines():
+        rewards = json.loads(line)["reward"]
+        assert len(rewards) == 16 * group
+        groups = [rewards[k : k + group] for k in range(0, len(rewards), group)]
+        assert all(len(set(g)) > 1 for g in groups)
+    assert all(m["staleness/max"] <= 4 for m in metrics)  # the bound is unchanged
+    assert processes_mentioning(str(tmp_path)) == []
