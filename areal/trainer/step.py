@@ -148,6 +148,51 @@ def _equal_micro_batches(
     return mbs
 
 
+def _shaped_rewards(
+    trajs: Sequence[Trajectory],
+    rewards: torch.Tensor,
+    tokens: list[dict],
+    mine: list[int],
+    ppo: PPOConfig,
+    dp: DataParallel,
+    max_new_tokens: int | None,
+) -> torch.Tensor:
+    """objective.shape_rewards, less kl_coef * each sample's KL to the reference with
+    kl_in=reward: under the policy that sampled it (behaviour), summed over its generated
+    tokens; each rank fills in its own samples and the sum over ranks the rest."""
+    shaped = objective.shape_rewards(
+        rewards,
+        torch.tensor([len(t.output_ids) for t in trajs]),
+        torch.tensor([t.finish_reason == "length" for t in trajs]),
+        ppo,
+        max_new_tokens=max_new_tokens,
+    )
+    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
+        kl_sums = [0.0] * len(trajs)
+        for i in mine:
+            t = tokens[i]
+            kl = objective.kl_estimate(t["behav"], t["ref"], ppo.kl_estimator)
+            kl_sums[i] = float(torch.where(t["mask"].bool(), kl, 0.0).sum())
+        shaped = shaped - ppo.kl_coef * torch.tensor(dp.all_reduce(kl_sums), dtype=torch.float64)
+    return shaped
+
+
+def _m2po_mask(tokens: list[dict], mine: list[int], tau: float, dp: DataParallel) -> int:
+    """M2PO's cut over the valid tokens of the whole batch (every rank's, gathered), applied
+    to this rank's; returns how many of its tokens it masked."""
+    m2 = {i: (tokens[i]["prox"] - tokens[i]["behav"]).double() ** 2 for i in mine}
+    local = [m2[i][tokens[i]["valid"]] for i in mine]
+    cut = objective.m2po_threshold(
+        dp.all_gather(torch.cat(local) if local else torch.zeros(0)), tau
+    )
+    n_masked = 0
+    for i in mine:
+        kept = tokens[i]["valid"] & (m2[i] < cut)
+        n_masked += int((tokens[i]["valid"] & ~kept).sum())
+        tokens[i]["valid"] = kept
+    return n_masked
+
+
 def train_step(
     backend: TrainerBackend,
     trajs: Sequence[Trajectory],
@@ -223,47 +268,20 @@ def train_step(
 
     # 2) rewards shaped, then advantages over the whole batch (the same on every rank)
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-    shaped = objective.shape_rewards(
-        rewards,
-        torch.tensor([len(t.output_ids) for t in trajs]),
-        torch.tensor([t.finish_reason == "length" for t in trajs]),
-        ppo,
-        max_new_tokens=max_new_tokens,
-    )
-    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
-        # Each sample's KL to the reference under the policy that sampled it (behaviour),
-        # summed over its generated tokens; every rank fills its own and sums the rest in.
-        kl_sums = [0.0] * len(trajs)
-        for i in mine:
-            t = tokens[i]
-            kl = objective.kl_estimate(t["behav"], t["ref"], ppo.kl_estimator)
-            kl_sums[i] = float(torch.where(t["mask"].bool(), kl, 0.0).sum())
-        shaped = shaped - ppo.kl_coef * torch.tensor(dp.all_reduce(kl_sums), dtype=torch.float64)
-    advantages = objective.compute_advantages(
-        shaped,
-        torch.tensor([t.group_id for t in trajs]),
-        ppo,
-        truncated=torch.tensor([t.finish_reason == "length" for t in trajs]),
-    )
+    shaped = _shaped_rewards(trajs, rewards, tokens, mine, ppo, dp, max_new_tokens)
+    truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
+    group_ids = torch.tensor([t.group_id for t in trajs])
+    advantages = objective.compute_advantages(shaped, group_ids, ppo, truncated=truncated)
     for i in mine:
         tokens[i]["adv"] = torch.full_like(tokens[i]["behav"], float(advantages[i]))
 
-    # 3) the valid tokens; M2PO's cut over the whole batch (every rank's valid tokens)
+    # 3) the valid tokens: within the cap, and M2PO's cut over the whole batch
     for i in mine:
         t = tokens[i]
         t["valid"] = objective.behaviour_weight_mask(
             t["prox"], t["behav"], t["mask"], ppo.behav_imp_weight_cap
         )
-    n_m2po = 0
-    if ppo.m2po_tau is not None:
-        m2 = {i: (tokens[i]["prox"] - tokens[i]["behav"]).double() ** 2 for i in mine}
-        local = [m2[i][tokens[i]["valid"]] for i in mine]
-        batch_m2 = dp.all_gather(torch.cat(local) if local else torch.zeros(0))
-        cut = objective.m2po_threshold(batch_m2, ppo.m2po_tau)
-        for i in mine:
-            kept = tokens[i]["valid"] & (m2[i] < cut)
-            n_m2po += int((tokens[i]["valid"] & ~kept).sum())
-            tokens[i]["valid"] = kept
+    n_m2po = _m2po_mask(tokens, mine, ppo.m2po_tau, dp) if ppo.m2po_tau is not None else 0
 
     # 4) sequential minibatch updates
     keys = ["loss/ppo", *_TOKEN_MEANS[:3], *_COUNTS]

@@ -1,0 +1,171 @@
+"""Every recipe against staleness, and the approximate proximal pass against the exact one.
+
+    python benchmarks/algorithms.py [--config configs/tiny.yaml] [--recipes areal,grpo,...]
+        [--etas 0 4 16] [--seeds 2] [--steps 60] [--target 1.0] [--png FILE] [key=value ...]
+    python benchmarks/algorithms.py --prox [--repeats 5] [--n-minibatches 4]
+
+Recipes: each recipe (ppo.recipe, areal/config.py RECIPES) trains the config at each
+max_staleness in --etas, one run per seed, as `python -m areal.train` in a temporary file
+root; runs are interleaved so that every recipe sees the same machine. Prints per recipe
+and eta the medians over seeds of the final reward (mean reward/mean over the last tenth
+of the steps), the wall time until the 10-step moving mean of the reward first reaches
+--target ("-" if never), and the effective throughput (tiny_run.effective_throughput),
+then each recipe's final reward against the areal recipe's. --png draws the final reward
+against eta, one line per recipe.
+
+--prox: one training step (benchmarks/trainer.py's 4M-parameter Qwen2, 64 long-tailed
+sequences) with the exact proximal pass (ppo.prox_approx=none) and with upstream AReaL's
+log-linear approximation (loglinear: no proximal forward), interleaved, one thread; the
+median tokens/s of each and their ratio, and the largest gap the approximation leaves on
+the first minibatch (where theta is the proximal policy, so the gap is exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from tiny_run import TINY, effective_throughput, train_tiny
+
+from areal.config import RECIPES
+
+
+def time_to_target(m: list[dict], target: float, window: int = 10) -> float:
+    rewards = [x["reward/mean"] for x in m]
+    for i in range(window, len(m) + 1):
+        if statistics.mean(rewards[i - window : i]) >= target:
+            return m[i - 1]["time"]
+    return float("inf")
+
+
+def summary(m: list[dict], target: float) -> dict:
+    last = max(1, len(m) // 10)
+    return {
+        "final_reward": statistics.mean(x["reward/mean"] for x in m[-last:]),
+        "time_to_target": time_to_target(m, target),
+        "tokens_per_s": effective_throughput(m),
+        "wall_s": m[-1]["time"],
+    }
+
+
+def plot(table: dict[tuple[str, int], dict], recipes: list[str], etas: list[int], path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in recipes:
+        ax.plot([str(e) for e in etas], [table[r, e]["final_reward"] for e in etas], marker="o",
+                label=r)  # fmt: skip
+    ax.set_xlabel("max staleness eta")
+    ax.set_ylabel("final reward (median over seeds)")
+    ax.set_title("Which objectives survive staleness (tiny task)")
+    ax.legend(ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def recipes_main(args: argparse.Namespace) -> None:
+    recipes = args.recipes.split(",") if args.recipes else list(RECIPES)
+    runs: dict[tuple[str, int], list[dict]] = {(r, e): [] for r in recipes for e in args.etas}
+    with tempfile.TemporaryDirectory() as root:
+        for seed in range(1, args.seeds + 1):
+            for eta in args.etas:
+                for r in recipes:  # interleaved: every recipe sees the same machine
+                    extra = [f"ppo.recipe={r}", f"max_staleness={eta}", f"seed={seed}"]
+                    m = train_tiny(root, f"{r}-e{eta}-s{seed}", args.steps,
+                                   extra + args.overrides, args.config)  # fmt: skip
+                    runs[r, eta].append(summary(m, args.target))
+                    print(f"  {r} eta={eta} seed={seed}: {runs[r, eta][-1]}", flush=True)
+    table = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in runs.items()}
+    print(f"\n{'recipe':<14} {'eta':>4} {'final reward':>13} {'to target (s)':>14} {'tok/s':>8}")
+    for r in recipes:
+        for eta in args.etas:
+            t = table[r, eta]
+            ttt = "-" if t["time_to_target"] == float("inf") else f"{t['time_to_target']:.1f}"
+            print(
+                f"{r:<14} {eta:>4} {t['final_reward']:>+13.2f} {ttt:>14} "
+                f"{t['tokens_per_s']:>8.0f}"
+            )
+    if "areal" in recipes:
+        for eta in args.etas:
+            base = table["areal", eta]["final_reward"]
+            diffs = ", ".join(
+                f"{r} {table[r, eta]['final_reward'] - base:+.2f}" for r in recipes if r != "areal"
+            )
+            print(f"final reward against areal's, eta={eta}: {diffs}")
+    if args.png:
+        plot(table, recipes, args.etas, args.png)
+
+
+def prox_main(args: argparse.Namespace) -> None:
+    import torch
+    from trainer import make_model, make_trajectories
+
+    from areal.config import PPOConfig
+    from areal.trainer.step import train_step
+    from areal.trainer.torch_backend import TorchBackend
+
+    torch.set_num_threads(1)
+    kw = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model(Path(tmp) / "model")
+        backends = {
+            v: TorchBackend(model_dir, warmup_steps=0, device="cpu", **kw)
+            for v in ("none", "loglinear")
+        }
+    vocab = backends["none"].model.config.vocab_size
+    trajs = make_trajectories(64, vocab, "longtail", seed=0, median=100, sigma=1.3)
+    for k, t in enumerate(trajs):  # stale samples: versions 0..3 behind the trainer's 4
+        t.versions = [k % 4] * len(t.output_ids)
+    n_tokens = sum(len(t.prompt_ids) + len(t.output_ids) for t in trajs)
+    times: dict[str, list[float]] = {v: [] for v in backends}
+    gaps = []
+    for r in range(args.repeats + 1):  # the first is a warm-up
+        for v, backend in backends.items():
+            ppo = PPOConfig(prox_approx=v, n_minibatches=args.n_minibatches)
+            t0 = time.perf_counter()
+            stats = train_step(
+                backend, trajs, ppo=ppo, max_tokens_per_mb=4096, seed=r, version=4
+            )
+            if r:
+                times[v].append(time.perf_counter() - t0)
+            if v == "loglinear" and r:
+                gaps.append(stats["train/prox_approx_gap_max"])
+    tput = {v: n_tokens / statistics.median(t) for v, t in times.items()}
+    n_params = sum(p.numel() for p in backends["none"].model.parameters())
+    print(
+        f"Qwen2 {n_params / 1e6:.1f}M params, {len(trajs)} sequences, {n_tokens} tokens, "
+        f"{args.n_minibatches} minibatches, 1 thread, medians of {args.repeats}"
+    )
+    for v in backends:
+        print(f"prox_approx={v:<10} {tput[v]:8.0f} tokens/s  steps: "
+              + ", ".join(f"{t:.2f}" for t in times[v]))  # fmt: skip
+    print(f"loglinear / exact: {tput['loglinear'] / tput['none']:.2f}x; largest gap to the "
+          f"exact proximal log-prob (first minibatch): {statistics.median(gaps):.3g}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=TINY)
+    parser.add_argument("--recipes", default="", help="comma-separated; default: all")
+    parser.add_argument("--etas", type=int, nargs="+", default=[0, 4, 16])
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--target", type=float, default=1.0, help="reward for time-to-target")
+    parser.add_argument("--png", type=Path)
+    parser.add_argument("--prox", action="store_true", help="prox_approx against exact")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--n-minibatches", type=int, default=4)
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for every run")
+    args = parser.parse_args()
+    prox_main(args) if args.prox else recipes_main(args)
+
+
+if __name__ == "__main__":
+    main()
