@@ -11,13 +11,16 @@ and eta the medians over seeds of the final reward (mean reward/mean over the la
 of the steps), the wall time until the 10-step moving mean of the reward first reaches
 --target ("-" if never), and the effective throughput (tiny_run.effective_throughput),
 then each recipe's final reward against the areal recipe's. --png draws the final reward
-against eta, one line per recipe.
+against eta, one line per recipe. Rewards are rollout/reward_mean where a run has it (every
+finished group, also those dynamic sampling dropped), else reward/mean.
 
 --prox: one training step (benchmarks/trainer.py's 4M-parameter Qwen2, 64 long-tailed
-sequences) with the exact proximal pass (ppo.prox_approx=none) and with upstream AReaL's
-log-linear approximation (loglinear: no proximal forward), interleaved, one thread; the
-median tokens/s of each and their ratio, and the largest gap the approximation leaves on
-the first minibatch (where theta is the proximal policy, so the gap is exact).
+sequences) with the exact proximal pass (ppo.prox_approx=none), with upstream AReaL's
+log-linear approximation (loglinear: no proximal forward), and exact with a reference
+model (ppo.kl_coef=0.04: its forward pass is the KL's cost), interleaved, one thread; the
+median tokens/s of each and their ratios to the exact step, and the largest gap the
+approximation leaves on the first minibatch (where theta is the proximal policy, so the
+gap is exact; the benchmark's behaviour log-probs are random, a run's are the model's).
 """
 
 from __future__ import annotations
@@ -33,8 +36,14 @@ from tiny_run import TINY, effective_throughput, train_tiny
 from areal.config import RECIPES
 
 
+def reward(x: dict) -> float:
+    """A step's reward over what was generated: with dynamic sampling the trained batch's
+    reward/mean counts only the groups kept, rollout/reward_mean every finished group."""
+    return x.get("rollout/reward_mean", x["reward/mean"])
+
+
 def time_to_target(m: list[dict], target: float, window: int = 10) -> float:
-    rewards = [x["reward/mean"] for x in m]
+    rewards = [reward(x) for x in m]
     for i in range(window, len(m) + 1):
         if statistics.mean(rewards[i - window : i]) >= target:
             return m[i - 1]["time"]
@@ -44,14 +53,16 @@ def time_to_target(m: list[dict], target: float, window: int = 10) -> float:
 def summary(m: list[dict], target: float) -> dict:
     last = max(1, len(m) // 10)
     return {
-        "final_reward": statistics.mean(x["reward/mean"] for x in m[-last:]),
+        "final_reward": statistics.mean(reward(x) for x in m[-last:]),
         "time_to_target": time_to_target(m, target),
         "tokens_per_s": effective_throughput(m),
         "wall_s": m[-1]["time"],
     }
 
 
-def plot(table: dict[tuple[str, int], dict], recipes: list[str], etas: list[int], path: Path):
+def plot(
+    table: dict[tuple[str, int], dict], recipes: list[str], etas: list[int], path: Path, task: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,7 +74,7 @@ def plot(table: dict[tuple[str, int], dict], recipes: list[str], etas: list[int]
                 label=r)  # fmt: skip
     ax.set_xlabel("max staleness eta")
     ax.set_ylabel("final reward (median over seeds)")
-    ax.set_title("Which objectives survive staleness (tiny task)")
+    ax.set_title(f"Which objectives survive staleness ({task})")
     ax.legend(ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -72,14 +83,15 @@ def plot(table: dict[tuple[str, int], dict], recipes: list[str], etas: list[int]
 
 def recipes_main(args: argparse.Namespace) -> None:
     recipes = args.recipes.split(",") if args.recipes else list(RECIPES)
+    config = args.config.resolve()  # the runs start in the repository root
     runs: dict[tuple[str, int], list[dict]] = {(r, e): [] for r in recipes for e in args.etas}
     with tempfile.TemporaryDirectory() as root:
-        for seed in range(1, args.seeds + 1):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for eta in args.etas:
                 for r in recipes:  # interleaved: every recipe sees the same machine
                     extra = [f"ppo.recipe={r}", f"max_staleness={eta}", f"seed={seed}"]
                     m = train_tiny(root, f"{r}-e{eta}-s{seed}", args.steps,
-                                   extra + args.overrides, args.config)  # fmt: skip
+                                   extra + args.overrides, config)  # fmt: skip
                     runs[r, eta].append(summary(m, args.target))
                     print(f"  {r} eta={eta} seed={seed}: {runs[r, eta][-1]}", flush=True)
     table = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in runs.items()}
@@ -89,8 +101,7 @@ def recipes_main(args: argparse.Namespace) -> None:
             t = table[r, eta]
             ttt = "-" if t["time_to_target"] == float("inf") else f"{t['time_to_target']:.1f}"
             print(
-                f"{r:<14} {eta:>4} {t['final_reward']:>+13.2f} {ttt:>14} "
-                f"{t['tokens_per_s']:>8.0f}"
+                f"{r:<14} {eta:>4} {t['final_reward']:>+13.2f} {ttt:>14} {t['tokens_per_s']:>8.0f}"
             )
     if "areal" in recipes:
         for eta in args.etas:
@@ -100,7 +111,7 @@ def recipes_main(args: argparse.Namespace) -> None:
             )
             print(f"final reward against areal's, eta={eta}: {diffs}")
     if args.png:
-        plot(table, recipes, args.etas, args.png)
+        plot(table, recipes, args.etas, args.png, config.stem)
 
 
 def prox_main(args: argparse.Namespace) -> None:
@@ -117,8 +128,9 @@ def prox_main(args: argparse.Namespace) -> None:
         model_dir = make_model(Path(tmp) / "model")
         backends = {
             v: TorchBackend(model_dir, warmup_steps=0, device="cpu", **kw)
-            for v in ("none", "loglinear")
+            for v in ("none", "loglinear", "none+ref")
         }
+        ref = TorchBackend(model_dir, warmup_steps=0, device="cpu", **kw)
     vocab = backends["none"].model.config.vocab_size
     trajs = make_trajectories(64, vocab, "longtail", seed=0, median=100, sigma=1.3)
     for k, t in enumerate(trajs):  # stale samples: versions 0..3 behind the trainer's 4
@@ -128,10 +140,12 @@ def prox_main(args: argparse.Namespace) -> None:
     gaps = []
     for r in range(args.repeats + 1):  # the first is a warm-up
         for v, backend in backends.items():
-            ppo = PPOConfig(prox_approx=v, n_minibatches=args.n_minibatches)
+            kl = 0.04 if v.endswith("+ref") else 0.0
+            ppo = PPOConfig(prox_approx=v.removesuffix("+ref"), n_minibatches=args.n_minibatches,
+                            kl_coef=kl)  # fmt: skip
             t0 = time.perf_counter()
             stats = train_step(
-                backend, trajs, ppo=ppo, max_tokens_per_mb=4096, seed=r, version=4
+                backend, trajs, ppo=ppo, max_tokens_per_mb=4096, seed=r, version=4, ref=ref
             )
             if r:
                 times[v].append(time.perf_counter() - t0)
@@ -148,6 +162,7 @@ def prox_main(args: argparse.Namespace) -> None:
               + ", ".join(f"{t:.2f}" for t in times[v]))  # fmt: skip
     print(f"loglinear / exact: {tput['loglinear'] / tput['none']:.2f}x; largest gap to the "
           f"exact proximal log-prob (first minibatch): {statistics.median(gaps):.3g}")  # fmt: skip
+    print(f"exact with the reference model / exact: {tput['none+ref'] / tput['none']:.2f}x")
 
 
 def main() -> None:
@@ -156,6 +171,7 @@ def main() -> None:
     parser.add_argument("--recipes", default="", help="comma-separated; default: all")
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 4, 16])
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--target", type=float, default=1.0, help="reward for time-to-target")
     parser.add_argument("--png", type=Path)

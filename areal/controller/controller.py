@@ -92,6 +92,7 @@ class Controller:
         self._updates: set[asyncio.Task] = set()
         self._tokens_generated = 0
         self._dropped = 0  # groups dynamic sampling dropped since the last batch
+        self._rewards = [0.0, 0]  # sum and count of the rewards of every group since then
         self._dropped_in_a_row = 0
         self._last_stats_time = time.time()
         self.restarts = int(os.environ.get(RESTARTS_ENV, "0"))
@@ -155,6 +156,9 @@ class Controller:
             if report and self.no_progress is None:
                 self.no_progress = report
                 self.stalled.set()
+        if trajs:
+            self._rewards[0] += sum(t.reward for t in trajs)
+            self._rewards[1] += len(trajs)
         async with self.changed:
             # In one step with the buffer, so a checkpoint sees the row in exactly one place.
             if trajs is None or dropped:  # failed, declined by the workflow, or dropped
@@ -230,8 +234,12 @@ class Controller:
         elapsed, self._last_stats_time = now - self._last_stats_time, now
         tokens, self._tokens_generated = self._tokens_generated, 0
         dropped, self._dropped = self._dropped, 0
+        (reward_sum, n_rewards), self._rewards = self._rewards, [0.0, 0]
         pool_stats = await self.pool.stats()
         reward_stats = await self.reward.call("stats")
+        if n_rewards:  # every group finished since the last batch, dropped ones too (the
+            # trained batch's reward/mean is what dynamic sampling kept)
+            pool_stats["rollout/reward_mean"] = reward_sum / n_rewards
         return {
             **pool_stats,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),

@@ -38,6 +38,9 @@ def test_grpo_with_dynamic_sampling_entropy_and_approximate_proximal(tmp_path):
     assert max(m["train/fresh_logprob_diff_max"] for m in metrics) < 1e-3
     # Dynamic sampling: groups of equal rewards were generated, dropped, and none trained.
     assert sum(m["rollout/dropped_groups"] for m in metrics) > 0
+    # The reward of everything generated, dropped groups too, beside the trained batch's.
+    assert all(-5 <= m["rollout/reward_mean"] <= 5 for m in metrics if "rollout/reward_mean" in m)
+    assert sum("rollout/reward_mean" in m for m in metrics) >= steps // 2
     group = 8
     for line in (exp / "batches.jsonl").read_text().splitlines():
         rewards = json.loads(line)["reward"]
