@@ -84,13 +84,13 @@ def shape_rewards(
     """
     ppo = _ppo(cfg)
     assert len(rewards) == len(lengths) == len(truncated)
-    r = (rewards.to(torch.float64) + ppo.reward_bias) * ppo.reward_scale
+    r = (torch.as_tensor(rewards, dtype=torch.float64) + ppo.reward_bias) * ppo.reward_scale
     if ppo.overlong_penalty:
         max_len = _max_new_tokens(cfg, max_new_tokens)
         if max_len is None:
             raise ValueError("the overlong penalty needs max_new_tokens (rollout.max_new_tokens)")
         buffer = ppo.overlong_buffer or max(1, max_len // 5)
-        excess = lengths.to(torch.float64) - (max_len - buffer)
+        excess = torch.as_tensor(lengths, dtype=torch.float64) - (max_len - buffer)
         r = r - ppo.overlong_penalty * (excess / buffer).clamp(0.0, 1.0)
     return r
 
@@ -143,7 +143,8 @@ def compute_advantages(
     if cfg is None:
         cfg = PPOConfig(adv_norm="batch" if group_ids is None else "group")
     ppo = _ppo(cfg)
-    r = rewards.to(torch.float64)
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    group_ids = None if group_ids is None else torch.as_tensor(group_ids)
     est = ppo.adv_estimator
     level = ppo.adv_norm if est == "norm" else None
     if (est in GROUP_ESTIMATORS or level == "group") and group_ids is None:
@@ -171,7 +172,7 @@ def compute_advantages(
         assert est == "reinforce_pp_baseline", est
         adv = _batch_whiten(r - _group_mean(r, group_ids))
     if ppo.mask_truncated and truncated is not None:
-        adv = torch.where(truncated.bool(), 0.0, adv)
+        adv = torch.where(torch.as_tensor(truncated).bool(), 0.0, adv)
     return adv.float()
 
 
