@@ -21,8 +21,14 @@ class Rewarded(Workflow):
     async def arun_episode(self, engine: RolloutEngine, data: dict) -> list[Trajectory]:
         self.ran.append(data["rewards"])
         return [
-            Trajectory(group_id=engine.group_id, prompt_ids=[1], output_ids=[2], logprobs=[-1.0],
-                       versions=[0], reward=r)  # fmt: skip
+            Trajectory(
+                group_id=engine.group_id,
+                prompt_ids=[1],
+                output_ids=[2],
+                logprobs=[-1.0],
+                versions=[0],
+                reward=r,
+            )  # fmt: skip
             for r in data["rewards"]
         ]
 
