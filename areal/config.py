@@ -442,23 +442,20 @@ field defaults' `null` means "the recipe's"), and a knob given explicitly always
 
 _AREAL = dict(
     eps_clip=0.2,
-    eps_clip_higher=None,
-    c_clip=None,
     loss="ppo",
     importance_sampling_level="token",
     adv_estimator="norm",
-    adv_norm=None,
-    adv_std_norm=None,
     loss_agg="token_mean",
     kl_coef=0.0,
     kl_estimator="k3",
     kl_in="loss",
     entropy_coef=0.0,
-    m2po_tau=None,
     overlong_penalty=0.0,
     mask_truncated=False,
     dynamic_sampling=False,
 )
+"""The areal recipe's knobs; those left out stay null (off: c_clip, m2po_tau; derived:
+eps_clip_higher = eps_clip, and adv_norm, adv_std_norm = batch, true for adv_estimator=norm)."""
 ADV_ESTIMATORS = ("norm", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")

@@ -95,7 +95,7 @@ def token_logprobs(
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """fp32 [N]: the entropy of softmax(logits / temperature) per row of logits [N, V]
-    (the entropy bonus; one row at a time in chunks, so the fp32 copy stays bounded)."""
+    (the entropy bonus), in chunks of rows so that the fp32 copy stays bounded."""
     rows = max(1, CHUNK_ENTRIES // logits.shape[-1])
     out = []
     for lg in logits.split(rows):
