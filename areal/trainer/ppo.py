@@ -302,45 +302,18 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     n_norm: float | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The objective of one packed stream (module docstring) and its statistics.
 
-    The valid tokens are masked here (the cap, and M2PO over these tokens); n_norm is
-    loss_agg's denominator for the whole minibatch (norm_count summed over its parts), None
-    = this stream's own. ref_logprobs: needed when kl_coef > 0 and kl_in=loss; entropy
-    (per token): needed when entropy_coef > 0.
+    n_norm is loss_agg's denominator for the whole minibatch (norm_count summed over its
+    parts), None = this stream's own. ref_logprobs: needed when kl_coef > 0 and kl_in=loss;
+    entropy (per token): needed when entropy_coef > 0. valid: the tokens that count, None =
+    token_mask over this stream (the trainer passes the mask it made over the whole batch).
     """
-    valid = token_mask(proximal_logprobs, behaviour_logprobs, loss_mask, cfg)
-    return masked_policy_loss(
-        logprobs,
-        proximal_logprobs,
-        behaviour_logprobs,
-        advantages,
-        loss_mask,
-        valid,
-        seq_lens,
-        cfg,
-        ref_logprobs=ref_logprobs,
-        entropy=entropy,
-        n_norm=n_norm,
-    )
-
-
-def masked_policy_loss(
-    logprobs: torch.Tensor,
-    proximal_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    valid: torch.Tensor,
-    seq_lens: Sequence[int] | torch.Tensor,
-    cfg: Any,
-    ref_logprobs: torch.Tensor | None = None,
-    entropy: torch.Tensor | None = None,
-    n_norm: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """policy_loss with the valid tokens given (the trainer masks over the whole batch)."""
     ppo = _ppo(cfg)
+    if valid is None:
+        valid = token_mask(proximal_logprobs, behaviour_logprobs, loss_mask, ppo)
     valid = valid.bool()
     n_seqs = len(seq_lens)
     seq_id = _segments(seq_lens, len(logprobs), logprobs.device)
@@ -457,17 +430,16 @@ def decoupled_ppo_loss(
     n_valid_tokens: the minibatch's valid tokens over all micro-batches and ranks; None =
     this micro-batch's own. Naive PPO is prox = behav (pass behaviour log-probs as proximal).
     """
-    valid = behaviour_weight_mask(
-        proximal_logprobs, behaviour_logprobs, loss_mask, behav_imp_weight_cap
-    )
-    return masked_policy_loss(
+    return policy_loss(
         logprobs,
         proximal_logprobs,
         behaviour_logprobs,
         advantages,
         loss_mask,
-        valid,
         [len(logprobs)],
         PPOConfig(eps_clip=eps_clip),
         n_norm=n_valid_tokens,
+        valid=behaviour_weight_mask(
+            proximal_logprobs, behaviour_logprobs, loss_mask, behav_imp_weight_cap
+        ),
     )

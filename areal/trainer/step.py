@@ -346,18 +346,18 @@ def train_step(
                 if first:
                     gap = (cat["prox"] - logprobs.detach())[cat["valid"]].abs()
                     extra["train/prox_approx_gap_max"] = float(gap.max()) if len(gap) else 0.0
-            loss, mb_stats = objective.masked_policy_loss(
+            loss, mb_stats = objective.policy_loss(
                 logprobs,
                 cat["prox"],
                 cat["behav"],
                 cat["adv"],
                 cat["mask"],
-                cat["valid"],
                 [seqlens[i] - 1 for i in mbs[k]],
                 ppo,
                 ref_logprobs=cat.get("ref"),
                 entropy=entropy,
                 n_norm=max(n_norm, 1),
+                valid=cat["valid"],
             )
             return loss, {**mb_stats, **extra, "loss/ppo": loss.item() / n_minibatches}
 
