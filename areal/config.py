@@ -598,6 +598,15 @@ class PPOConfig(_Section):
                         "the exact proximal log-probs before the update): use prox_approx=none",
                     )
 
+    def with_lengths(self, max_new_tokens: int) -> "PPOConfig":
+        """This config with the lengths that default to rollout.max_new_tokens filled in:
+        loss_agg_norm_len (= it) and overlong_buffer (a fifth of it)."""
+        return dataclasses.replace(
+            self,
+            loss_agg_norm_len=self.loss_agg_norm_len or max_new_tokens,
+            overlong_buffer=self.overlong_buffer or max(1, max_new_tokens // 5),
+        )
+
     def summary(self) -> str:
         """The resolved objective in one line (the launcher prints it at start)."""
         ratio = {"token": "u", "sequence": "s_seq", "sequence_token": "s_seq(token grad)"}
@@ -839,10 +848,7 @@ class ExperimentConfig(_Section):
                     "and no baseline); raise the group size or use ppo.adv_estimator=norm "
                     "with ppo.adv_norm=batch"
                 )
-        if ppo.loss_agg_norm_len is None:
-            ppo.loss_agg_norm_len = max_new
-        if ppo.overlong_buffer is None:
-            ppo.overlong_buffer = max(1, max_new // 5)
+        self.ppo = ppo = ppo.with_lengths(max_new)
         if ppo.overlong_penalty > 0 and ppo.overlong_buffer > max_new:
             raise ConfigError(
                 f"ppo.overlong_buffer={ppo.overlong_buffer} exceeds rollout.max_new_tokens="

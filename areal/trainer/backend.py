@@ -130,14 +130,11 @@ class TrainerBackend(Protocol):
         ...
 
 
-def make_backend(
-    cfg: ExperimentConfig, model_dir: str | Path, dp: DataParallel
-) -> tuple[TrainerBackend, DataParallel]:
-    """The backend cfg.trainer.backend names, and `dp` narrowed to its data-parallel group
-    (megatron: the world is tp * pp * dp ranks, gradients are summed over replicas only)."""
+def _backend_kwargs(cfg: ExperimentConfig) -> dict:
+    """What every backend takes from the config: the optimizer, its schedule, the dtype."""
     t = cfg.trainer
     n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
-    common = dict(
+    return dict(
         lr=t.lr,
         weight_decay=t.weight_decay,
         betas=t.betas,
@@ -147,6 +144,15 @@ def make_backend(
         dtype=cfg.model.dtype,
         temperature=cfg.rollout.temperature,
     )
+
+
+def make_backend(
+    cfg: ExperimentConfig, model_dir: str | Path, dp: DataParallel
+) -> tuple[TrainerBackend, DataParallel]:
+    """The backend cfg.trainer.backend names, and `dp` narrowed to its data-parallel group
+    (megatron: the world is tp * pp * dp ranks, gradients are summed over replicas only)."""
+    t = cfg.trainer
+    common = _backend_kwargs(cfg)
     # Lazy imports: torch_backend imports this module, and the torch path never imports megatron.
     if t.backend == "torch":
         from areal.trainer.torch_backend import TorchBackend
@@ -175,17 +181,6 @@ def make_reference(cfg: ExperimentConfig, dp: DataParallel) -> TrainerBackend:
     from areal.trainer.torch_backend import TorchBackend
 
     device = str(dp.device) if dp.device.type == "cuda" else None
-    ref = TorchBackend(
-        cfg.ref_model.path or cfg.model.path,
-        lr=cfg.trainer.lr,
-        weight_decay=0.0,
-        betas=cfg.trainer.betas,
-        adam_eps=cfg.trainer.adam_eps,
-        grad_clip=cfg.trainer.grad_clip,
-        warmup_steps=0,
-        dtype=cfg.model.dtype,
-        temperature=cfg.rollout.temperature,
-        device=device,
-    )
+    ref = TorchBackend(cfg.ref_model.path or cfg.model.path, device=device, **_backend_kwargs(cfg))
     ref.model.requires_grad_(False)
     return ref

@@ -89,7 +89,7 @@ def shape_rewards(
         max_len = _max_new_tokens(cfg, max_new_tokens)
         if max_len is None:
             raise ValueError("the overlong penalty needs max_new_tokens (rollout.max_new_tokens)")
-        buffer = ppo.overlong_buffer or max(1, max_len // 5)
+        buffer = ppo.with_lengths(max_len).overlong_buffer
         excess = torch.as_tensor(lengths, dtype=torch.float64) - (max_len - buffer)
         r = r - ppo.overlong_penalty * (excess / buffer).clamp(0.0, 1.0)
     return r
@@ -111,8 +111,27 @@ def _group_std(x: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return _group_mean((x - mean) ** 2, group_ids).sqrt()
 
 
-def _batch_whiten(x: torch.Tensor) -> torch.Tensor:
-    return (x - x.mean()) / (x.std(unbiased=False) + ADV_EPS)
+def _normalise(
+    x: torch.Tensor, group_ids: torch.Tensor | None, over: str, divide: bool
+) -> torch.Tensor:
+    """x - mean, then / (std + ADV_EPS) if `divide`, over each sample's set: the batch, its
+    group, or none (x as it is)."""
+    if over == "none":
+        return x
+    if over == "batch":
+        mean, std = x.mean(), x.std(unbiased=False)
+    else:
+        mean, std = _group_mean(x, group_ids), _group_std(x, group_ids)
+    return (x - mean) / (std + ADV_EPS) if divide else x - mean
+
+
+_ESTIMATORS = {
+    "grpo": (("group", True),),
+    "dr_grpo": (("group", False),),
+    "reinforce_pp": (("batch", True),),
+    "reinforce_pp_baseline": (("group", False), ("batch", True)),
+}
+"""adv_estimator -> its normalisation steps (over which set, divide by the std), in order."""
 
 
 def compute_advantages(
@@ -149,28 +168,13 @@ def compute_advantages(
     level = ppo.adv_norm if est == "norm" else None
     if (est in GROUP_ESTIMATORS or level == "group") and group_ids is None:
         raise ValueError(f"adv_estimator={est} (adv_norm={level}) needs the samples' group_ids")
-    if est == "norm":
-        if level == "none":
-            adv = r.clone()
-        elif level == "batch":
-            adv = r - r.mean()
-            if ppo.adv_std_norm:
-                adv = adv / (r.std(unbiased=False) + ADV_EPS)
-        else:
-            adv = r - _group_mean(r, group_ids)
-            if ppo.adv_std_norm:
-                adv = adv / (_group_std(r, group_ids) + ADV_EPS)
-    elif est == "grpo":
-        adv = (r - _group_mean(r, group_ids)) / (_group_std(r, group_ids) + ADV_EPS)
-    elif est == "dr_grpo":
-        adv = r - _group_mean(r, group_ids)
-    elif est == "rloo":
+    if est == "rloo":
         adv = r - _group_mean(r, group_ids, leave_one_out=True)
-    elif est == "reinforce_pp":
-        adv = _batch_whiten(r)
     else:
-        assert est == "reinforce_pp_baseline", est
-        adv = _batch_whiten(r - _group_mean(r, group_ids))
+        steps = _ESTIMATORS.get(est) or ((level, ppo.adv_std_norm),)  # norm: adv_norm's
+        adv = r
+        for over, divide in steps:
+            adv = _normalise(adv, group_ids, over, divide)
     if ppo.mask_truncated and truncated is not None:
         adv = torch.where(torch.as_tensor(truncated).bool(), 0.0, adv)
     return adv.float()

@@ -20,7 +20,6 @@ pipeline schedule whose last stage calls loss_fn. Either way every rank gets the
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -151,6 +150,7 @@ def _equal_micro_batches(
 def _shaped_rewards(
     trajs: Sequence[Trajectory],
     rewards: torch.Tensor,
+    truncated: torch.Tensor,
     tokens: list[dict],
     mine: list[int],
     ppo: PPOConfig,
@@ -163,7 +163,7 @@ def _shaped_rewards(
     shaped = objective.shape_rewards(
         rewards,
         torch.tensor([len(t.output_ids) for t in trajs]),
-        torch.tensor([t.finish_reason == "length" for t in trajs]),
+        truncated,
         ppo,
         max_new_tokens=max_new_tokens,
     )
@@ -214,8 +214,8 @@ def train_step(
     (ppo.kl_coef > 0); `max_new_tokens`: rollout.max_new_tokens (ppo.overlong_penalty).
     """
     dp = dp or DataParallel()
-    if ppo.loss_agg_norm_len is None and max_new_tokens is not None:  # ExperimentConfig sets it
-        ppo = dataclasses.replace(ppo, loss_agg_norm_len=max_new_tokens)
+    if max_new_tokens is not None:  # ExperimentConfig has filled them already
+        ppo = ppo.with_lengths(max_new_tokens)
     n_minibatches = ppo.n_minibatches
     seqs = [t.prompt_ids + t.output_ids for t in trajs]
     seqlens = [len(s) for s in seqs]
@@ -268,8 +268,8 @@ def train_step(
 
     # 2) rewards shaped, then advantages over the whole batch (the same on every rank)
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-    shaped = _shaped_rewards(trajs, rewards, tokens, mine, ppo, dp, max_new_tokens)
     truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
+    shaped = _shaped_rewards(trajs, rewards, truncated, tokens, mine, ppo, dp, max_new_tokens)
     group_ids = torch.tensor([t.group_id for t in trajs])
     advantages = objective.compute_advantages(shaped, group_ids, ppo, truncated=truncated)
     for i in mine:
