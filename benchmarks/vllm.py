@@ -74,10 +74,10 @@ from transformers.utils import logging as hf_logging
 
 from areal.comm.net import free_port
 from areal.models.tiny import build_tokenizer
+from areal.rollout.backends.vllm import default_vllm_python, vllm_server_command
 from areal.rollout.client import SGLangClient
 from areal.rollout.launch import start_embedded_server, start_server_process, wait_for_server
 from areal.rollout.vllm_client import VLLMClient
-from areal.rollout.vllm_launch import default_vllm_python, vllm_server_command
 
 SHAPES = {
     "145k": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

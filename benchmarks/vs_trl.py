@@ -206,7 +206,7 @@ def limit_worker(model: str, geo: Geometry, steps: int, dtype: str) -> None:
     from areal.data.dataset import load_rows, tokenize_rows
     from areal.rollout.engine import DecodeEngine, SamplingParams
     from areal.tasks import load_task
-    from areal.trainer.backend import make_backend
+    from areal.trainer.factory import make_backend
     from areal.trainer.parallel import DataParallel
     from areal.trainer.step import train_step
     from areal.trainer.worker import _step_args

@@ -35,10 +35,10 @@ def _no_gpu() -> str | None:
 
 @functools.cache
 def _no_sglang() -> str | None:
-    from areal.rollout.launch import sglang_version_problem
+    from areal.rollout.backends import load_backend
 
     python = os.environ.get("AREAL_SGLANG_PYTHON") or sys.executable
-    problem = sglang_version_problem(python)
+    problem = load_backend("sglang").version_problem(python)
     return f"needs SGLang (set AREAL_SGLANG_PYTHON): {problem}" if problem else None
 
 

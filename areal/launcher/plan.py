@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from areal.config import ConfigError, ExperimentConfig
 from areal.cores import CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV, ledger_path
+from areal.rollout.backends import load_backend
 
 
 @dataclass(frozen=True)
@@ -114,9 +115,9 @@ def make_plan(
     # CPU servers and trainer ranks split their node's cores (a GPU step computes on its GPU).
     sharing = [node for node, gpus, _ in (*inference, *trainers) if not gpus]
     training = [node for node, gpus, _ in trainers if not gpus]
-    # A waiting role lends its share to those with work (areal/cores.py). vLLM's threads
-    # are its own, so beside a CPU vLLM server the split stays fixed.
-    lend = cfg.launcher.lend_idle_cores and cfg.inference.backend == "embedded"
+    # A waiting role lends its share to those with work (areal/cores.py). A server whose
+    # threads are its own (vLLM's) cannot, so beside it the split stays fixed.
+    lend = cfg.launcher.lend_idle_cores and load_backend(cfg.inference.backend).lends_cores
     slots: dict[str, int] = {}
 
     def share(node: str, gpus: int, among: list[str]) -> dict[str, str]:

@@ -4,14 +4,15 @@
  RolloutWorker ──InferenceClient──► SGLangClient (client.py) ──SGLang HTTP──► SGLang
    (worker.py)    generate_batch                                         or embedded server
                   update_weights_from_disk                               (server.py)
-                  abort_request, health,      a VLLMClient: one more class ──► vLLM
-                  wait_healthy, close         and one more line in client_factory()
+                  abort_request, health,      VLLMClient (vllm_client.py) ──► vLLM
+                  wait_healthy, close
 ```
 
 A client reduces every backend's answer to GenerateOutput (token ids, per-token log-probs,
 finish reason, integer weight version), so the worker never sees a wire format. The worker
-gets its clients from a ClientFactory (a client's class is one): `client_factory(backend)`
-picks the one for `inference.backend`.
+gets its clients from a ClientFactory (a client's class is one), which the backend of
+`inference.backend` gives (areal/rollout/backends/: `load_backend(name).client()`). This
+module declares the seam and imports none of its implementations.
 """
 
 from __future__ import annotations
@@ -103,17 +104,3 @@ class ClientFactory(Protocol):
     """Makes the client of the server at base_url (a client class is one)."""
 
     def __call__(self, base_url: str, *, api_key: str | None = None) -> InferenceClient: ...
-
-
-def client_factory(backend: str) -> ClientFactory:
-    """The client class for inference.backend's servers."""
-    # Imported here: client.py builds on this module's types.
-    from areal.rollout.client import SGLangClient
-
-    if backend in ("embedded", "sglang"):  # the embedded server speaks SGLang's HTTP API
-        return SGLangClient
-    if backend == "vllm":
-        from areal.rollout.vllm_client import VLLMClient
-
-        return VLLMClient
-    raise ValueError(f"inference.backend={backend!r} has no client: use embedded, sglang or vllm")

@@ -46,7 +46,7 @@ from typing import Any
 
 from areal.rollout.http_client import HttpClient
 from areal.rollout.inference import FINISH_REASONS, GenerateOutput
-from areal.rollout.sglang_api import parse_weight_version
+from areal.rollout.sglang_api import format_weight_version, parse_weight_version
 
 GENERATE_PATH = "/inference/v1/generate"
 REQUEST_ID_PREFIX = "generate-tokens-"
@@ -260,9 +260,7 @@ class VLLMClient(HttpClient):
                 parse_collective_rpc(await self._call("POST", "/collective_rpc", rpc))
             except RuntimeError as e:
                 raise RuntimeError(f"{self.base_url} refused weights {model_path}: {e}") from e
-            body = {"new_version": str(weight_version)}
-            await self._call("POST", "/update_weight_version", body)
-            self.weight_version = weight_version
+            await self.set_weight_version(weight_version)
             await self._call("POST", "/reset_prefix_cache", None)
         finally:
             await self._call("POST", "/resume", None)
@@ -270,7 +268,8 @@ class VLLMClient(HttpClient):
 
     async def set_weight_version(self, weight_version: int) -> None:
         """Label what the server generates from now on (no weights change)."""
-        await self._call("POST", "/update_weight_version", {"new_version": str(weight_version)})
+        body = {"new_version": format_weight_version(weight_version)}
+        await self._call("POST", "/update_weight_version", body)
         self.weight_version = weight_version
 
     async def get_weight_version(self) -> int:

@@ -8,8 +8,8 @@
     controller --abandon(call_id)-------> worker --abort_request(rid) per request of that call
 
 client: the worker's InferenceClient (areal/rollout/inference.py), made by the client factory
-of inference.backend (SGLangClient for SGLang and for the embedded server); the worker knows
-no wire format, so another inference backend (vLLM) is one more client class.
+of inference.backend (areal/rollout/backends/: SGLangClient for SGLang and for the embedded
+server, VLLMClient for vLLM); the worker knows no wire format.
 
 | loop              | waits for                      | unblocked by                          |
 |-------------------|--------------------------------|---------------------------------------|
@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Callable
 
 from areal import rolelog
-from areal.rollout import inference
+from areal.rollout.backends import load_backend
 from areal.rollout.inference import ClientFactory, InferenceClient, ServerDied
 from areal.trajectory import Trajectory
 
@@ -77,8 +77,8 @@ class RolloutWorker:
         api_key: str | None = None,
     ):
         self.api_key = api_key
-        self.client_factory = client_factory or inference.client_factory("embedded")
-        """Makes the client of a server URL: inference.client_factory(inference.backend)."""
+        self.client_factory = client_factory or load_backend("embedded").client()
+        """Makes the client of a server URL: the client of inference.backend's backend."""
         self.client: InferenceClient = self.client_factory(server_url, api_key=api_key)
         self.interruptible = interruptible
         self.find_server = find_server or (lambda: server_url)

@@ -23,15 +23,13 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from areal.config import ConfigError
-
-SPEC = re.compile(r"[\w.]+:[\w.]+")
-"""A task of one's own: "package.module:object"."""
+from areal import plugins
+from areal.config_loader import ConfigError
+from areal.plugins import SPEC
 
 
 @dataclass(frozen=True)
@@ -125,18 +123,7 @@ def load_task(spec: str) -> Task:
         if spec not in names():
             raise ConfigError(f"unknown task {spec!r}: use one of {known()}")
         return _builtin(spec)
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"task {spec!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH (the "
-            "run's working directory is)?"
-        ) from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"task {spec!r}: {module_name} has no {attr!r}")
-        obj = getattr(obj, part)
+    obj = plugins.resolve(spec, f"task {spec!r}", ConfigError)
     if not isinstance(obj, Task):
         raise ConfigError(f"task {spec!r} is a {type(obj).__name__}, not an areal.tasks.Task")
     return obj

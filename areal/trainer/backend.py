@@ -1,7 +1,7 @@
 """The trainer backend seam: what trainer/step.py and trainer/worker.py ask of a backend.
 
-    worker.py --make_backend(cfg)--> TorchBackend (torch_backend.py; data-parallel only)
-                                 or  MegatronBackend (megatron/backend.py; TP, PP and DP)
+    worker.py --make_backend(cfg) (factory.py)--> TorchBackend (torch_backend.py; DP only)
+                                              or  MegatronBackend (megatron/; TP, PP and DP)
     step.py   --forward / forward_backward / reduce_grads / optimizer_step--> the backend
     worker.py --save_hf (publish) / save_optimizer + state_dict (checkpoint)--> the backend
 
@@ -17,7 +17,8 @@
 
 "if collect.": with `collective_save` every rank of the trainer world calls it at the same
 point (global rank 0 passes the directory, the others None: each contributes its slice);
-without it global rank 0 alone calls it, with a directory.
+without it global rank 0 alone calls it, with a directory. This module declares the seam and
+imports none of its implementations (factory.py picks one by trainer.backend).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from areal.config import DTYPES as DTYPE_NAMES
-from areal.config import ExperimentConfig
 from areal.trainer.batching import LossFn
 from areal.trainer.parallel import DataParallel
 
@@ -128,59 +128,3 @@ class TrainerBackend(Protocol):
         """Every rank: restore state_dict(); a ValueError if the checkpoint cannot resume
         this run (what to do instead in its message)."""
         ...
-
-
-def _backend_kwargs(cfg: ExperimentConfig) -> dict:
-    """What every backend takes from the config: the optimizer, its schedule, the dtype."""
-    t = cfg.trainer
-    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
-    return dict(
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        betas=t.betas,
-        adam_eps=t.adam_eps,
-        grad_clip=t.grad_clip,
-        warmup_steps=int(t.warmup_steps_ratio * n_updates),
-        dtype=cfg.model.dtype,
-        temperature=cfg.rollout.temperature,
-    )
-
-
-def make_backend(
-    cfg: ExperimentConfig, model_dir: str | Path, dp: DataParallel
-) -> tuple[TrainerBackend, DataParallel]:
-    """The backend cfg.trainer.backend names, and `dp` narrowed to its data-parallel group
-    (megatron: the world is tp * pp * dp ranks, gradients are summed over replicas only)."""
-    t = cfg.trainer
-    common = _backend_kwargs(cfg)
-    # Lazy imports: torch_backend imports this module, and the torch path never imports megatron.
-    if t.backend == "torch":
-        from areal.trainer.torch_backend import TorchBackend
-
-        device = str(dp.device) if dp.device.type == "cuda" else None
-        return TorchBackend(model_dir, device=device, **common), dp
-    assert t.backend == "megatron", t.backend  # TrainerConfig checks the name
-    from areal.trainer.megatron.backend import MegatronBackend, data_parallel_group
-
-    backend = MegatronBackend(
-        model_dir,
-        tp=t.parallel.tp,
-        pp=t.parallel.pp,
-        save_dtype=t.save_dtype,
-        seed=cfg.seed,
-        **common,
-    )
-    return backend, data_parallel_group(dp)
-
-
-def make_reference(cfg: ExperimentConfig, dp: DataParallel) -> TrainerBackend:
-    """The frozen reference policy of ppo.kl_coef (ref_model.path, or the policy's initial
-    weights): a torch backend whatever trains, used for forwards only (its optimizer never
-    steps, so Adam's state is never allocated). With megatron's tensor parallelism each
-    rank holds the whole reference model."""
-    from areal.trainer.torch_backend import TorchBackend
-
-    device = str(dp.device) if dp.device.type == "cuda" else None
-    ref = TorchBackend(cfg.ref_model.path or cfg.model.path, device=device, **_backend_kwargs(cfg))
-    ref.model.requires_grad_(False)
-    return ref

@@ -38,7 +38,8 @@ from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
 from areal.cores import role_cores
-from areal.trainer.backend import TrainerBackend, make_backend, make_reference
+from areal.trainer.backend import TrainerBackend
+from areal.trainer.factory import make_backend, make_reference
 from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import train_step
 from areal.trajectory import Trajectory

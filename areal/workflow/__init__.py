@@ -12,10 +12,10 @@ single_turn.py is the default: today's math / code / arith path.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from areal import plugins
 from areal.workflow.api import EpisodeError, EpisodeRunner, RolloutEngine, Workflow
 
 if TYPE_CHECKING:
@@ -26,20 +26,7 @@ __all__ = ["EpisodeError", "EpisodeRunner", "RolloutEngine", "Workflow", "load_w
 
 def resolve(spec: str) -> Any:
     """The object "package.module:object" names; ValueError saying what to fix."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"rollout.workflow={spec!r}: cannot import {module_name!r} ({e}); is it on "
-            "PYTHONPATH (the run's working directory is)?"
-        ) from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"rollout.workflow={spec!r}: {module_name} has no {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    return plugins.resolve(spec, f"rollout.workflow={spec!r}")
 
 
 def load_workflow(spec: str, rollout_cfg: RolloutConfig | None = None) -> Workflow:

@@ -47,11 +47,11 @@ AgentRun = Callable[[dict, Any], Awaitable[float | dict[str, float]]]
 
 def agent_spec(run: AgentRun) -> str:
     """The "module:function" by which an agent process imports `run`; ValueError if none."""
-    from areal.workflow import resolve
+    from areal.plugins import resolve
 
     spec = f"{run.__module__}:{run.__qualname__}"
     try:
-        importable = "<locals>" not in spec and resolve(spec) is run
+        importable = "<locals>" not in spec and resolve(spec, f"rollout.workflow={spec!r}") is run
     except ValueError:
         importable = False
     if not importable:

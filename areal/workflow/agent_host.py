@@ -148,9 +148,9 @@ class _Host:
 
 
 async def _serve(spec: str, base_url: str, timeout_s: float, key: bytes) -> None:
-    from areal.workflow import resolve
+    from areal.plugins import resolve
 
-    host = _Host(resolve(spec), base_url, timeout_s)
+    host = _Host(resolve(spec, f"rollout.workflow={spec!r}"), base_url, timeout_s)
     server = RpcServer(key, host="127.0.0.1")
     server.register("episode", host.episode)
     server.register("cancel", host.cancel)

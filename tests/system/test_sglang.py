@@ -20,8 +20,9 @@ import pytest
 from areal.comm.net import free_port
 from areal.config import load_config
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
+from areal.rollout.backends import load_backend
 from areal.rollout.client import SGLangClient
-from areal.rollout.launch import server_command, start_server_process, wait_for_server
+from areal.rollout.launch import start_server_process, wait_for_server
 from tests.system.conftest import copy_weights
 from tests.system.test_embedded_server import SHAPES, assert_shape
 
@@ -52,7 +53,7 @@ def test_generate_update_generate(model_dir, tmp_path):
         ],
     )
     port = free_port("127.0.0.1")
-    cmd = server_command(cfg, 0, "127.0.0.1", port)
+    cmd = load_backend("sglang").command(cfg, 0, "127.0.0.1", port, None)[0]
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     log = tmp_path / "server0.log"
     proc = start_server_process(cmd, log)

@@ -21,10 +21,14 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from areal.comm.net import free_port
 from areal.models.tiny import build_tokenizer, chat_prompt_ids
+from areal.rollout.backends.vllm import (
+    default_vllm_python,
+    vllm_server_command,
+    vllm_version_problem,
+)
 from areal.rollout.inference import GenerateOutput
 from areal.rollout.launch import wait_for_server
 from areal.rollout.vllm_client import VLLMClient
-from areal.rollout.vllm_launch import default_vllm_python, vllm_server_command, vllm_version_problem
 from tests.system.conftest import copy_weights, ref_logprobs
 
 pytestmark = [

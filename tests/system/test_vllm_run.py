@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from areal.rollout.vllm_launch import default_vllm_python
+from areal.rollout.backends.vllm import default_vllm_python
 from tests.system.test_run import (
     ROOT,
     _wait_for,

@@ -7,9 +7,11 @@ import copy
 
 import pytest
 
+from areal.config import ConfigError
+from areal.rollout.backends import load_backend, names
 from areal.rollout.engine import GenerationResult
 from areal.rollout.http_error import BadRequest
-from areal.rollout.inference import GenerateOutput, InferenceClient, client_factory
+from areal.rollout.inference import GenerateOutput, InferenceClient
 from areal.rollout.sglang_api import (
     build_generate_request,
     build_update_weights_request,
@@ -216,10 +218,11 @@ def test_a_formatted_generate_output_parses_back():
     )
 
 
-def test_client_factory_by_backend():
-    for backend in ("embedded", "sglang", "vllm"):
-        factory = client_factory(backend)
+def test_each_backend_gives_its_client():
+    assert names() == ("embedded", "sglang", "vllm")
+    for backend in names():
+        factory = load_backend(backend).client()
         assert isinstance(factory("http://127.0.0.1:1/", api_key="k"), InferenceClient)
-    assert client_factory("vllm").__name__ == "VLLMClient"
-    with pytest.raises(ValueError, match="inference.backend='trt'"):
-        client_factory("trt")
+    assert load_backend("vllm").client().__name__ == "VLLMClient"
+    with pytest.raises(ConfigError, match="unknown inference backend 'trt'"):
+        load_backend("trt")

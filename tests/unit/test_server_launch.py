@@ -13,19 +13,24 @@ import pytest
 from areal.comm.registry import create_key
 from areal.config import ConfigError, load_config
 from areal.launcher.plan import make_plan
+from areal.rollout.backends import load_backend
+from areal.rollout.backends.sglang import SUPPORTED_SGLANG
 from areal.rollout.launch import (
     COMMAND_PREFIX,
-    SUPPORTED_SGLANG,
     exec_server,
     explain_start_failure,
     read_command,
     redacted,
-    server_command,
-    sglang_version_problem,
-    vllm_command,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def server_command(cfg, k, host, port, api_key=None):
+    return load_backend(cfg.inference.backend).command(cfg, k, host, port, api_key)[0]
+
+
+sglang_version_problem = load_backend("sglang").version_problem
 
 
 def test_supported_sglang_is_the_pyproject_pin():
@@ -52,7 +57,7 @@ def test_vllm_command_line_and_environment(tmp_path, monkeypatch):
         ],
     )  # fmt: skip
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    argv, env = vllm_command(cfg, 2, "127.0.0.1", 4000, api_key="s3cret")
+    argv, env = load_backend("vllm").command(cfg, 2, "127.0.0.1", 4000, "s3cret")
     assert argv[:3] == ["/envs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert server_command(cfg, 2, "127.0.0.1", 4000, api_key="s3cret") == argv
     text = shlex.join(argv)
@@ -65,7 +70,9 @@ def test_vllm_command_line_and_environment(tmp_path, monkeypatch):
     assert env["OMP_NUM_THREADS"] == "3" and env["AREAL_WEIGHT_VERSION"] == "0"
     # Longer than the model's positions: its own limit.
     cfg.dataset.max_prompt_len = 2000
-    assert "--max-model-len 1024" in shlex.join(vllm_command(cfg, 0, "h", 1, None)[0])
+    assert "--max-model-len 1024" in shlex.join(
+        load_backend("vllm").command(cfg, 0, "h", 1, None)[0]
+    )
 
 
 def test_sglang_command_line():

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from areal.comm.net import free_port
 from areal.rollout import vllm_ext
+from areal.rollout.backends.vllm import vllm_server_command
 from areal.rollout.inference import GenerateOutput
 from areal.rollout.vllm_client import (
     VLLMClient,
@@ -26,7 +27,6 @@ from areal.rollout.vllm_client import (
     parse_metrics,
     translate_sampling_params,
 )
-from areal.rollout.vllm_launch import vllm_server_command
 
 SHAPES = json.loads((Path(__file__).parents[1] / "data" / "vllm_shapes.json").read_text())
 

@@ -124,7 +124,9 @@ class MegatronBackend:
 
     # ---- forward ------------------------------------------------------------------------
 
-    def _packed_forward(self, seqs: Sequence[Sequence[int]], model: torch.nn.Module | None = None):
+    def packed_forward(
+        self, seqs: Sequence[Sequence[int]], model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(model output [1, T, ...], token ids [T]) of the packed stream: the vocab-parallel
         logits on the last PP stage (in the parameters' dtype), hidden states elsewhere."""
         from areal.trainer.megatron.packed_attention import PackedStream
@@ -165,7 +167,7 @@ class MegatronBackend:
         """Vocab-parallel logits [T, V/tp] of the packed stream, and its token ids [T]."""
         # With pp > 1 only the last stage has logits: forward_backward schedules the stages.
         assert self.pp == 1, "logprobs/logits run one stage; with pp > 1 use forward_backward"
-        output, input_ids = self._packed_forward(seqs)
+        output, input_ids = self.packed_forward(seqs)
         return output[0], input_ids
 
     def forward(
@@ -222,13 +224,13 @@ class MegatronBackend:
         with_entropy: bool = False,
     ) -> torch.Tensor:
         """Log-probs of every next token of every sequence, as one stream (L-1 per sequence);
-        entries before starts[i] are 0 (see _token_logprobs). No entropy (forward_backward)."""
+        entries before starts[i] are 0 (see token_logprobs). No entropy (forward_backward)."""
         if with_entropy:
             raise ValueError("the megatron backend does not compute entropies: entropy_coef=0")
         logits, input_ids = self._forward(seqs)
-        return self._token_logprobs(logits[None], input_ids, seqs, starts)
+        return self.token_logprobs(logits[None], input_ids, seqs, starts)
 
-    def _token_logprobs(
+    def token_logprobs(
         self,
         output: torch.Tensor,
         input_ids: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 from areal.trainer.batching import LossFn
 
 if TYPE_CHECKING:
-    from areal.trainer.megatron.backend import MegatronBackend
+    from areal.trainer.megatron.pipeline import Stage
 
 
 def wrap_for_gpu(
@@ -66,7 +66,7 @@ def wrap_for_gpu(
 
 
 def forward_backward_pipelined(
-    backend: MegatronBackend,
+    backend: Stage,
     micro_batches: Sequence[Sequence[Sequence[int]]],
     loss_fn: LossFn | None = None,
     starts: Sequence[Sequence[int]] | None = None,
@@ -85,10 +85,10 @@ def forward_backward_pipelined(
 
     def forward_step(data_iterator: Any, model: torch.nn.Module):
         k, seqs = next(data_iterator)
-        output, input_ids = backend._packed_forward(seqs, model)
+        output, input_ids = backend.packed_forward(seqs, model)
 
         def loss_func(logits: torch.Tensor):
-            lp = backend._token_logprobs(
+            lp = backend.token_logprobs(
                 logits, input_ids, seqs, None if starts is None else starts[k]
             )
             if loss_fn is None:

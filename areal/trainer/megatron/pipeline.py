@@ -24,7 +24,7 @@ the metrics; every stage needs the proximal log-probs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,12 +32,36 @@ import torch.distributed as dist
 from areal.trainer.batching import LossFn
 from areal.trainer.parallel import broadcast_plain
 
-if TYPE_CHECKING:
-    from areal.trainer.megatron.backend import MegatronBackend
+
+class Stage(Protocol):
+    """What the pipeline schedules (here and gpu.py) need of the megatron backend."""
+
+    model: torch.nn.Module
+    gpt: Any
+    """The GPTModel of this rank's stage (set_input_tensor; config.pipeline_dtype)."""
+    shape: Any
+    """The model's shape (hidden_size)."""
+    device: torch.device
+
+    def packed_forward(
+        self, seqs: Sequence[Sequence[int]], model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [1, T, ...], token ids [T]): logits on the last stage, hidden states else."""
+        ...
+
+    def token_logprobs(
+        self,
+        output: torch.Tensor,
+        input_ids: torch.Tensor,
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """The log-prob stream of the last stage's logits."""
+        ...
 
 
 def gpipe(
-    backend: MegatronBackend,
+    backend: Stage,
     micro_batches: Sequence[Sequence[Sequence[int]]],
     loss_fn: LossFn | None,
     starts: Sequence[Sequence[int]] | None = None,
@@ -62,12 +86,12 @@ def gpipe(
                 dist.recv(h_in, src=prev)
                 h_in.requires_grad_(train)
             backend.gpt.set_input_tensor(h_in)
-            out, input_ids = backend._packed_forward(seqs)  # h [T, 1, H] or logits
+            out, input_ids = backend.packed_forward(seqs)  # h [T, 1, H] or logits
             if not last:
                 dist.send(out.detach().contiguous(), dst=nxt)
             else:
                 mb_starts = None if starts is None else starts[k]
-                lp = backend._token_logprobs(out, input_ids, seqs, mb_starts)
+                lp = backend.token_logprobs(out, input_ids, seqs, mb_starts)
                 if train:
                     out, stats = loss_fn(k, lp)
                     results.append(stats)

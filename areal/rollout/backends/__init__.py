@@ -1,0 +1,148 @@
+"""Inference backends: one module each, found by name like a task.
+
+    inference.backend = "embedded" | "sglang" | "vllm"   (areal/rollout/backends/<name>.py: BACKEND)
+        load_backend(name) --> InferenceBackend
+            .check(cfg)                 its config rules (ConfigError), when the config loads
+            .client()                   its servers' InferenceClient class (rollout worker, eval)
+            .command(cfg, k, host, port, api_key) -> (argv, env)   server k's process
+            .version_problem(python)    None, or why that interpreter cannot serve and the fix
+            .lends_cores                its server's threads join the core ledger (cores.py)
+
+A new backend is one module here defining `BACKEND` (an InferenceBackend); nothing else names
+it. This package imports none of them (load_backend does, by name), and none of them imports
+areal.config: the config validates inference.backend through this registry.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import pkgutil
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from areal.config_loader import ConfigError
+
+if TYPE_CHECKING:
+    from areal.rollout.inference import ClientFactory
+
+
+class InferenceBackend:
+    """What areal needs of an inference backend. `cfg` is the run's ExperimentConfig."""
+
+    name: str = ""
+    lends_cores: bool = False
+    """Its servers run their torch threads on the core ledger (areal/cores.py), lending their
+    share while they wait; a server with threads of its own keeps a fixed share."""
+
+    def check(self, cfg: Any) -> None:
+        """Raise ConfigError for a config this backend cannot serve (called on load)."""
+
+    def client(self) -> ClientFactory:
+        """The InferenceClient class of this backend's servers."""
+        raise NotImplementedError
+
+    def command(
+        self, cfg: Any, k: int, host: str, port: int, api_key: str | None
+    ) -> tuple[list[str], dict[str, str]]:
+        """argv and whole environment of inference server k, listening on host:port and
+        requiring api_key (None: no key)."""
+        raise NotImplementedError
+
+    def version_problem(self, python: str) -> str | None:
+        """None if `python` can run this backend's server, else what is wrong and the fix."""
+        return None
+
+
+@functools.cache
+def names() -> tuple[str, ...]:
+    """The backends' names (the modules of this package)."""
+    return tuple(
+        sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    )
+
+
+@functools.cache
+def load_backend(name: str) -> InferenceBackend:
+    """The backend `name`; ConfigError naming the known ones."""
+    if name not in names():
+        raise ConfigError(f"unknown inference backend {name!r}: use one of {', '.join(names())}")
+    backend = importlib.import_module(f"{__name__}.{name}").BACKEND
+    assert isinstance(backend, InferenceBackend) and backend.name == name, name
+    return backend
+
+
+# ---- what several backends share ------------------------------------------------------------
+
+
+def start_weights(cfg: Any) -> tuple[str, int]:
+    """Model directory and weight version to serve: a resumed run's checkpoint, else the model."""
+    if cfg.resume:
+        from areal.checkpoint import latest  # imports torch: only when it is needed
+
+        ckpt = latest(cfg.exp_dir)
+        if ckpt:
+            return str(ckpt.model_dir), ckpt.version
+    return cfg.model.path, 0
+
+
+def weights_roots(cfg: Any) -> list[str]:
+    """Where a server may load weights from: the run's own directories (its checkpoints and
+    versions under the experiment directory) and the model it started from."""
+    return [str(cfg.exp_dir), str(cfg.model.path)]
+
+
+def context_length(model: str, cfg: Any) -> int:
+    """The longest request of the run (prompt + answer), within the model's positions."""
+    longest = cfg.dataset.max_prompt_len + cfg.rollout.max_new_tokens
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return longest  # the server's own start-up then says what is wrong with the directory
+    return min(longest, int(config.get("max_position_embeddings") or longest))
+
+
+def flat(args: dict) -> list[str]:
+    """{"--flag": value} -> ["--flag", "value", ...]."""
+    return [str(x) for kv in args.items() for x in kv]
+
+
+def check_owned_args(extra_args: list[str], owned: dict[str, str]) -> None:
+    """ConfigError if inference.extra_args sets an argument the launcher derives (owned:
+    argument -> where its value comes from)."""
+    for arg in extra_args:
+        for name, source in owned.items():
+            if arg == name or arg.startswith(name + "="):
+                raise ConfigError(
+                    f"inference.extra_args must not set {name}: the launcher sets it (from "
+                    f"{source})"
+                )
+
+
+def version_problem(
+    python: str, backend: str, package: str, display: str, supported: str, install: str
+) -> str | None:
+    """None if `python` imports `package` at version `supported`, else what it found and
+    `install` (how to get the right one)."""
+    cmd = [python, "-c", f"import {package}; print({package}.__version__)"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        found = "does not exist"
+    except subprocess.TimeoutExpired:
+        found = f"did not finish `import {package}` within 300 s"
+    else:
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and lines and lines[-1].strip() == supported:
+            return None
+        if proc.returncode == 0 and lines:
+            found = f"imports {package} {lines[-1].strip()}"
+        else:
+            err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            found = f"cannot import {package} ({err})"
+    return (
+        f"inference.backend={backend} needs {display} {supported}, but the interpreter "
+        f"{python} {found}. {install}"
+    )

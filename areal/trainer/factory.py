@@ -1,0 +1,71 @@
+"""The trainer backend trainer.backend names, built from the config (trainer/worker.py).
+
+    make_backend(cfg, model_dir, dp)  -> TorchBackend (torch_backend.py) | MegatronBackend
+    make_reference(cfg, dp)           -> the frozen reference policy of ppo.kl_coef
+
+The seam (backend.py) imports no backend; this module imports the one asked for, lazily:
+the torch path never imports megatron.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal.config import ExperimentConfig
+from areal.trainer.backend import TrainerBackend
+from areal.trainer.parallel import DataParallel
+
+
+def _backend_kwargs(cfg: ExperimentConfig) -> dict:
+    """What every backend takes from the config: the optimizer, its schedule, the dtype."""
+    t = cfg.trainer
+    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
+    return dict(
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        betas=t.betas,
+        adam_eps=t.adam_eps,
+        grad_clip=t.grad_clip,
+        warmup_steps=int(t.warmup_steps_ratio * n_updates),
+        dtype=cfg.model.dtype,
+        temperature=cfg.rollout.temperature,
+    )
+
+
+def make_backend(
+    cfg: ExperimentConfig, model_dir: str | Path, dp: DataParallel
+) -> tuple[TrainerBackend, DataParallel]:
+    """The backend cfg.trainer.backend names, and `dp` narrowed to its data-parallel group
+    (megatron: the world is tp * pp * dp ranks, gradients are summed over replicas only)."""
+    t = cfg.trainer
+    common = _backend_kwargs(cfg)
+    if t.backend == "torch":
+        from areal.trainer.torch_backend import TorchBackend
+
+        device = str(dp.device) if dp.device.type == "cuda" else None
+        return TorchBackend(model_dir, device=device, **common), dp
+    assert t.backend == "megatron", t.backend  # TrainerConfig checks the name
+    from areal.trainer.megatron.backend import MegatronBackend, data_parallel_group
+
+    backend = MegatronBackend(
+        model_dir,
+        tp=t.parallel.tp,
+        pp=t.parallel.pp,
+        save_dtype=t.save_dtype,
+        seed=cfg.seed,
+        **common,
+    )
+    return backend, data_parallel_group(dp)
+
+
+def make_reference(cfg: ExperimentConfig, dp: DataParallel) -> TrainerBackend:
+    """The frozen reference policy of ppo.kl_coef (ref_model.path, or the policy's initial
+    weights): a torch backend whatever trains, used for forwards only (its optimizer never
+    steps, so Adam's state is never allocated). With megatron's tensor parallelism each
+    rank holds the whole reference model."""
+    from areal.trainer.torch_backend import TorchBackend
+
+    device = str(dp.device) if dp.device.type == "cuda" else None
+    ref = TorchBackend(cfg.ref_model.path or cfg.model.path, device=device, **_backend_kwargs(cfg))
+    ref.model.requires_grad_(False)
+    return ref
