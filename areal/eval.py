@@ -4,7 +4,9 @@
       --> n episodes per problem of the workflow (--workflow, else --config's
           rollout.workflow, else the single-turn default), each run as the controller runs
           it (areal.workflow: EpisodeRunner, RolloutEngine with one sample per episode):
-            engine.generate --> inference server (embedded subprocess, or --server-url)
+            engine.generate --> a RolloutWorker (the rollout role's, in this process) -->
+                                the backend's client --> inference server (--backend's,
+                                started here: embedded, vllm or sglang; or --server-url)
             engine.grade    --> RewardService (the task's grader, the same process pool and
                                 time limits as training; 1 right, 0 wrong)
       --> an episode passes when a sample of it has a reward > 0 (agents grade themselves:
@@ -25,6 +27,7 @@ import json
 import math
 import os
 import secrets
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,30 +106,35 @@ async def sample_and_grade(
     args: argparse.Namespace, rows: list[dict], url: str
 ) -> list[list[bool]]:
     from areal.reward.service import RewardService
-    from areal.rollout.client import SGLangClient
+    from areal.rollout.backends import load_backend
     from areal.rollout.launch import wait_for_server
+    from areal.rollout.worker import RolloutWorker
     from areal.trajectory import Trajectory
     from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, load_workflow
 
-    client = SGLangClient(url, api_key=args.api_key)
+    failed: list[Exception] = []  # the server's errors: they end the evaluation
+    worker = RolloutWorker(
+        url,
+        client_factory=load_backend(args.backend).client(),
+        api_key=args.api_key,
+        recovery_timeout_s=0,  # a dead server ends the evaluation: nothing restarts it
+        on_fatal=failed.append,
+    )
     service = RewardService(args.reward)
     workflow = load_workflow(args.rollout.workflow, args.rollout)
     runner = EpisodeRunner(workflow, args.rollout.episode_timeout_s)
     done = 0
-    failed: list[Exception] = []  # the server's errors: they end the evaluation
 
     async def generate(group_id: int, prompt_ids: list[int], n: int, sampling: dict):
         try:
-            outs = await asyncio.gather(*(client.generate(prompt_ids, sampling) for _ in range(n)))
+            wire = await worker.generate(group_id, prompt_ids, n, sampling, start_version=0)
+            trajs = [Trajectory.from_wire(w) for w in wire]
+            if not all(t.finish_reason for t in trajs):  # the worker marked the server down
+                raise ConnectionError(f"inference server {url} died during the evaluation")
         except Exception as e:  # an agent would see an HTTP 500 and fail only its episode
             failed.append(e)
             raise
-        return [
-            Trajectory(group_id=group_id, prompt_ids=list(prompt_ids), output_ids=o.output_ids,
-                       logprobs=o.logprobs, versions=[o.weight_version] * len(o.output_ids),
-                       finish_reason=o.finish_reason)
-            for o in outs
-        ]  # fmt: skip
+        return trajs
 
     async def episode(index: int, row: dict) -> bool:
         engine = RolloutEngine(
@@ -154,7 +162,9 @@ async def sample_and_grade(
         return list(passed)
 
     try:
-        await wait_for_server(client, args.startup_timeout_s, args.server_log, args.server_proc)
+        await wait_for_server(
+            worker.client, args.startup_timeout_s, args.server_log, args.server_proc
+        )
         limit = asyncio.Semaphore(args.max_concurrent)
 
         async def bounded(index: int, row: dict) -> list[bool]:
@@ -164,14 +174,29 @@ async def sample_and_grade(
         results = await asyncio.gather(*(bounded(i, r) for i, r in enumerate(rows)))
         args.reward_counts = await service.stats()
         args.episode_counts = dict(runner.counts)
-        args.workflow_stats = workflow.stats() if hasattr(workflow, "stats") else {}
+        args.workflow_stats = workflow.stats()
         print(file=sys.stderr)
         return results
     finally:
-        if hasattr(workflow, "aclose"):  # an agent's endpoint
-            await workflow.aclose()
-        await client.close()
+        await workflow.aclose()
+        await worker.client.close()
         service.close()
+
+
+def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """--backend's server for --model on a free loopback port, as the launcher starts one
+    (the backend's command line; its version check), answering only this evaluation."""
+    from areal.comm import net
+    from areal.rollout.backends import load_backend
+    from areal.rollout.launch import start_server_process
+
+    backend = load_backend(args.backend)
+    port = net.free_port("127.0.0.1")
+    args.api_key = secrets.token_hex(16)
+    cmd, env = backend.command(args.cfg, 0, "127.0.0.1", port, args.api_key)
+    if args.cfg.inference.check_version and (problem := backend.version_problem(cmd[0])):
+        raise ConfigError(problem)
+    return start_server_process(cmd, log_path, env), f"http://127.0.0.1:{port}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -195,13 +220,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-problems", type=int, default=0, help="first N problems (0: all)")
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--max-operand", type=int, help="arith task only (default: 5)")
-    p.add_argument("--server-url", help="a running SGLang or embedded server (default: start one)")
+    p.add_argument(
+        "--backend", help="inference server to start: embedded, sglang or vllm (default: "
+        "--config's inference.backend, else embedded)",
+    )  # fmt: skip
+    p.add_argument("--server-url", help="a running server of --backend's kind (default: start one)")
     p.add_argument(
         "--api-key", default=os.environ.get(API_KEY_ENV) or None,
         help=f"the --server-url server's API key (default: ${API_KEY_ENV}); a run's servers take "
         "the key `python -m areal.rollout.auth EXP_DIR` prints",
     )  # fmt: skip
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads of the started server")
+    p.add_argument("--num-threads", type=int, default=1, help="threads of the started (CPU) server")
     p.add_argument("--n-workers", type=int, default=2, help="grading processes")
     p.add_argument("--timeout-s", type=float, default=10.0, help="time limit of one grading")
     p.add_argument("--code-time-limit-s", type=float, help="default: --config's reward, else 6")
@@ -221,6 +250,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def resolve_settings(args: argparse.Namespace) -> None:
     """--config's sections, overridden by the flags given; ConfigError for a mistake."""
     base = load_config(args.config) if args.config else None
+    args.backend = args.backend or (base.inference.backend if base else "embedded")
     rollout = base.rollout if base else RolloutConfig()
     args.dataset = base.dataset if base else DatasetConfig()
     if args.max_operand is not None:
@@ -249,6 +279,18 @@ def resolve_settings(args: argparse.Namespace) -> None:
         wrong=0.0,
         code_time_limit_s=args.code_time_limit_s or reward.code_time_limit_s,
     )
+    # The server's settings (the backend's command line reads them): --config's inference
+    # section and model dtype, serving --model with this evaluation's lengths, seed, threads.
+    args.cfg = load_config(
+        args.config,
+        [
+            f"model.path={args.model}", f"inference.backend={args.backend}",
+            f"inference.num_threads={args.num_threads}", f"seed={args.seed}",
+            f"rollout.max_new_tokens={sampling['max_new_tokens']}",
+            f"dataset.max_prompt_len={args.max_prompt_len}", "stats.events=false",
+            "resume=false",
+        ],
+    )  # fmt: skip
     from areal.workflow import resolve
 
     try:  # a misspelt workflow: say so before a server starts
@@ -277,14 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     url = args.server_url
     if url is None:
         args.server_log = output.with_suffix(".server.log")
-        from areal.rollout.launch import start_embedded_server
-
-        args.api_key = secrets.token_hex(16)  # our own server answers only us
-        args.server_proc, url = start_embedded_server(
-            args.model, args.server_log, "--seed", str(args.seed),
-            "--num-threads", str(args.num_threads), api_key=args.api_key,
-        )  # fmt: skip
-        print(f"areal.eval: started the embedded server at {url} (log {args.server_log})")
+        try:
+            args.server_proc, url = start_server(args, args.server_log)
+        except ConfigError as e:
+            print(f"areal.eval: error: {e}", file=sys.stderr)
+            return 2
+        print(f"areal.eval: started the {args.backend} server at {url} (log {args.server_log})")
     t0 = time.time()
     try:
         correct = asyncio.run(sample_and_grade(args, rows, url))
@@ -302,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "task": args.task,
         "n_problems": len(rows),
         "n_samples": args.n_samples,
+        "backend": args.backend,
         "workflow": args.rollout.workflow,
         "sampling": args.sampling,
         "scores": scores,
