@@ -124,7 +124,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             model.save_pretrained(d)
             for batch in batches:
-                engine = DecodeEngine(
+                engine = DecodeEngine.from_dir(
                     d, max_batch_size=batch, num_threads=args.threads, device=DEVICE, dtype=dtype
                 )
                 hf_generate(model, batch, 4)  # warm-up, both

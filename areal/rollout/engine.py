@@ -111,7 +111,8 @@ class DecodeEngine:
 
     def __init__(
         self,
-        model_path: str,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
         *,
         max_batch_size: int = 64,
         max_total_tokens: int = 0,
@@ -119,22 +120,20 @@ class DecodeEngine:
         num_threads: int | Cores = 1,
         weight_version: int = 0,
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        model_path: str = "",
     ) -> None:
+        """Decode with `model` as given (moved to `device`; update_weights copies into its
+        parameters). tokenizer: only for sampling_params.stop (None: token ids only).
+        model_path: where the weights came from, as /get_model_info reports it. The decode
+        thread starts with start(), `with engine:`, or the first submit()."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if not Path(model_path).is_dir():
-            raise ValueError(f"model directory {model_path} does not exist")
         # A Cores lends the server's cores while it has nothing to generate (areal/cores.py).
         self.cores = num_threads if isinstance(num_threads, Cores) else Cores(num_threads)
         self.max_batch_size = max_batch_size
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        self.model.to(self.device).eval()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        except (OSError, ValueError):  # a weights-only directory: token ids in, token ids out
-            self.tokenizer = None
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
         config = self.model.config
         self.vocab_size: int = self.model.get_input_embeddings().weight.shape[0]
         self.context_len: int = getattr(config, "max_position_embeddings", 1 << 30)
@@ -164,7 +163,34 @@ class DecodeEngine:
         self._weight_version = weight_version
         self._counters = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
-        self._thread.start()
+
+    @classmethod
+    def from_dir(
+        cls, model_path: str, *, dtype: torch.dtype = torch.float32, **kwargs: Any
+    ) -> DecodeEngine:
+        """An engine over the HF model directory model_path (its tokenizer if it has one);
+        kwargs as DecodeEngine's. Not started."""
+        if not Path(model_path).is_dir():
+            raise ValueError(f"model directory {model_path} does not exist")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except (OSError, ValueError):  # a weights-only directory: token ids in, token ids out
+            tokenizer = None
+        return cls(model, tokenizer, model_path=str(model_path), **kwargs)
+
+    def start(self) -> DecodeEngine:
+        """Start the decode thread (once; later calls do nothing)."""
+        with self._cv:
+            if not self._thread.is_alive() and not self._stopping:
+                self._thread.start()
+        return self
+
+    def __enter__(self) -> DecodeEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -200,6 +226,7 @@ class DecodeEngine:
                 f"budget of {self.max_total_tokens} (inference.max_total_tokens): lower "
                 "max_new_tokens or raise the budget"
             )
+        self.start()
         finished: list[_Request] = []
         with self._cv:
             if self._stopping:
@@ -320,7 +347,8 @@ class DecodeEngine:
                 self._finish_locked(req, _abort("The server is shutting down."), finished)
             self._cv.notify_all()
         self._resolve(finished)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     # ---- introspection --------------------------------------------------------------------
 
