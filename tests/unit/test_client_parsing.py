@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from areal.rollout.engine import GenerationResult
+from areal.rollout.generation import GenerationResult
 from areal.rollout.http_error import BadRequest
 from areal.rollout.inference import GenerateOutput, InferenceClient, client_factory
 from areal.rollout.sglang_api import (

@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from areal.rollout.engine import DecodeEngine, SamplingParams, categorical
+from areal.rollout.engine import DecodeEngine, SamplingParams
 from areal.rollout.kv_cache import KVCache
+from areal.rollout.sampling import categorical
 
 TEMP = 0.7
 ATOL = 1e-4
