@@ -636,7 +636,8 @@ class LauncherConfig(_Section):
     _section: ClassVar[str] = "launcher"
 
     type: str = "local"
-    """Where roles run: local processes or slurm jobs."""
+    """Where roles run: local processes, slurm jobs, or inline: every role in one Python
+    process, to step through with a debugger (areal/inline.py; embedded engine, one rank)."""
     log_tail_lines: int = 30
     """Log lines of a dead role shown in the error."""
     dead_role_poll_s: float = 0.5
@@ -657,7 +658,7 @@ class LauncherConfig(_Section):
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._one_of("type", ("local", "slurm"))
+        self._one_of("type", ("local", "slurm", "inline"))
         self._non_negative("log_tail_lines")
         self._positive("dead_role_poll_s")
         if not 0 < self.inference_fraction < 1:

@@ -128,7 +128,7 @@ def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | None]:
     """The placement of `cfg` (and, under SLURM, the allocation); sets rollout.n_servers and
     trainer.parallel.dp to what it placed."""
     alloc = None
-    if cfg.launcher.type == "local":
+    if cfg.launcher.type in ("local", "inline"):  # inline: one process, as local plans it
         from areal.launcher.local import LocalLauncher
 
         plan = LocalLauncher(cfg).plan
@@ -216,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt is not None and ckpt.version >= cfg.total_train_steps:
         print(f"areal: the checkpoint already has {ckpt.version} of {cfg.total_train_steps} steps")
         return 0
+    if cfg.launcher.type == "inline":  # every role in this process (areal/inline.py)
+        from areal.inline import run_inline
+
+        return run_inline(cfg, ckpt)
     if alloc is None:
         from areal.launcher.local import LocalLauncher
 

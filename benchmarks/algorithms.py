@@ -127,10 +127,10 @@ def prox_main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model")
         backends = {
-            v: TorchBackend(model_dir, warmup_steps=0, device="cpu", **kw)
+            v: TorchBackend.from_dir(model_dir, warmup_steps=0, device="cpu", **kw)
             for v in ("none", "loglinear", "none+ref")
         }
-        ref = TorchBackend(model_dir, warmup_steps=0, device="cpu", **kw)
+        ref = TorchBackend.from_dir(model_dir, warmup_steps=0, device="cpu", **kw)
     vocab = backends["none"].model.config.vocab_size
     trajs = make_trajectories(64, vocab, "longtail", seed=0, median=100, sigma=1.3)
     for k, t in enumerate(trajs):  # stale samples: versions 0..3 behind the trainer's 4

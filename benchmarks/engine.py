@@ -32,8 +32,10 @@ import torch
 from shapes import DEVICE, QWEN2_1P5B
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from areal.rollout.engine import DecodeEngine, SamplingParams, _Request, sample
+from areal.rollout.engine import DecodeEngine, SamplingParams
+from areal.rollout.generation import Request
 from areal.rollout.kv_cache import KVCache
+from areal.rollout.sampling import sample
 
 SHAPES = {
     "145k": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -88,7 +90,7 @@ def decode_step_ms(model, rows: int, context: int, steps: int = 10) -> float:
     cache.lens = [context] * rows
     params = SamplingParams(max_new_tokens=steps + 1)
     reqs = [
-        _Request(rid=str(i), prompt_ids=[1], params=params, max_new=1, stop_ids=frozenset([0]),
+        Request(rid=str(i), prompt_ids=[1], params=params, max_new=1, stop_ids=frozenset([0]),
                  future=Future())
         for i in range(rows)
     ]  # fmt: skip
@@ -124,7 +126,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             model.save_pretrained(d)
             for batch in batches:
-                engine = DecodeEngine(
+                engine = DecodeEngine.from_dir(
                     d, max_batch_size=batch, num_threads=args.threads, device=DEVICE, dtype=dtype
                 )
                 hf_generate(model, batch, 4)  # warm-up, both

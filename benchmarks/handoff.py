@@ -58,7 +58,7 @@ def make_trainer(model_dir: Path, backend: str, dtype: str):
         from areal.trainer.megatron.backend import MegatronBackend
 
         return MegatronBackend(model_dir, warmup_steps=1, dtype=dtype, save_dtype=dtype, **opt)
-    return TorchBackend(model_dir, warmup_steps=1, dtype=dtype, device=DEVICE, **opt)
+    return TorchBackend.from_dir(model_dir, warmup_steps=1, dtype=dtype, device=DEVICE, **opt)
 
 
 def main() -> None:
@@ -85,7 +85,7 @@ def main() -> None:
                 (trainer.gpt if args.backend == "megatron" else trainer.model).parameters()
             )
             params = sum(p.numel() for p in weights)
-            engine = DecodeEngine(
+            engine = DecodeEngine.from_dir(
                 str(model_dir), max_batch_size=1, max_total_tokens=64, device=DEVICE, dtype=dtype
             )
             pub, inplace, reload = [], [], []

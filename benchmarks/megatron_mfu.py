@@ -120,7 +120,7 @@ def main() -> None:
         if not cfg.tie_word_embeddings:
             n_params -= cfg.vocab_size * cfg.hidden_size
         makers = {  # torch first: megatron's parallel state outlives its backend
-            "torch": lambda: TorchBackend(d, warmup_steps=0, dtype=dtype, **opt),
+            "torch": lambda: TorchBackend.from_dir(d, warmup_steps=0, dtype=dtype, **opt),
             "megatron-unfused": lambda: MegatronBackend(
                 d, warmup_steps=0, dtype=dtype, fused=False, **opt
             ),

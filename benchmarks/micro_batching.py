@@ -126,7 +126,9 @@ def main() -> None:
             Path(tmp) / "model", hidden=args.hidden, layers=args.layers, warmup_steps=0
         )
         kw = dict(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5)
-        backends = {v: TorchBackend(model, grad_clip=1.0, warmup_steps=0, **kw) for v in "dp"}
+        backends = {
+            v: TorchBackend.from_dir(model, grad_clip=1.0, warmup_steps=0, **kw) for v in "dp"
+        }
     seqs, tokens = make_batch(backends["d"], lens, prompt_len, args.max_tokens_per_mb, seed=0)
     plans = {
         "d": allocate_micro_batches(lens, args.max_tokens_per_mb),

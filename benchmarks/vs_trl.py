@@ -220,7 +220,7 @@ def limit_worker(model: str, geo: Geometry, steps: int, dtype: str) -> None:
     rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
     task = load_task(cfg.dataset.type)
     inf = cfg.inference
-    engine = DecodeEngine(
+    engine = DecodeEngine.from_dir(
         model, max_batch_size=inf.max_batch_size, max_total_tokens=inf.max_total_tokens,
         seed=cfg.seed, num_threads=1, dtype=getattr(torch, dtype),
     )  # fmt: skip

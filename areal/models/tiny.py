@@ -224,6 +224,26 @@ def _warm_up(
     model.eval()
 
 
+def build_tiny_model(
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    warmup_steps: int = 200,
+    max_operand: int = 20,
+    task: str = "arith",
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+    """The tiny model and its tokenizer in memory (make_tiny_model writes them)."""
+    if load_task(task).warmup is None:
+        raise ValueError(f"task {task!r} has no warm-up data (Task.warmup); use arith")
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(seed, episode_texts(task, max_operand, seed))
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(tiny_config(tokenizer, hidden, layers, heads))
+    _warm_up(model, tokenizer, warmup_steps, task, max_operand, seed)
+    return model, tokenizer
+
+
 def make_tiny_model(
     out_dir: str | os.PathLike,
     seed: int = 0,
@@ -236,17 +256,13 @@ def make_tiny_model(
 ) -> Path:
     """Write the tiny model directory (atomically: a half-written one never appears), warmed
     up on `task` (a dataset.type whose Task has warm-up data)."""
-    if load_task(task).warmup is None:
-        raise ValueError(f"task {task!r} has no warm-up data (Task.warmup); use arith")
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
     hf_logging.disable_progress_bar()  # the launcher's console shows training, not file writes
-    torch.manual_seed(seed)
-    tokenizer = build_tokenizer(seed, episode_texts(task, max_operand, seed))
-    with torch.device("cpu"):
-        model = Qwen2ForCausalLM(tiny_config(tokenizer, hidden, layers, heads))
-    _warm_up(model, tokenizer, warmup_steps, task, max_operand, seed)
+    model, tokenizer = build_tiny_model(
+        seed, hidden, layers, heads, warmup_steps, max_operand, task
+    )
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

@@ -34,6 +34,9 @@ the kept requests resume on the new weights after continue_generation() and repo
 version: their earlier tokens came from the old one. pause(mode="abort") returns partial
 outputs with finish_reason abort instead, so nothing crosses a version. A weight version is
 the trainer's integer here; the server writes it as SGLang's string (sglang_api.py).
+
+Beside it: generation.py (SamplingParams, the request, GenerationResult), sampling.py (one
+token per row), weight_loading.py (checked safetensors), kv_cache.py (the cache).
 """
 
 from __future__ import annotations
@@ -44,60 +47,21 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.cores import Cores
+from areal.rollout.generation import PAUSE_MODES, GenerationResult, Request, SamplingParams
 from areal.rollout.kv_cache import KVCache
-from areal.rollout.sglang_api import PAUSE_MODES, SamplingParams
+from areal.rollout.sampling import sample
+from areal.rollout.weight_loading import load_checked
+
+__all__ = ["DecodeEngine", "GenerationResult", "SamplingParams", "length_buckets"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerationResult:
-    """One finished request, in SGLang's vocabulary."""
-
-    rid: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float]
-    """log_softmax(logits / temperature) of each sampled token, before top-p/top-k."""
-    finish_reason: dict[str, Any]
-    """{"type": "stop", "matched": id|str} | {"type": "length", "length": n} |
-    {"type": "abort", "message": str}"""
-    weight_version: int
-    """The engine's weight version when the request finished (a string only on the wire)."""
-    e2e_latency: float
-
-
-@dataclass(eq=False)
-class _Request:
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_new: int
-    stop_ids: frozenset[int]
-    future: Future
-    created: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    done: bool = False
-    result: GenerationResult | None = None
-    # Owned by the decode thread: the cache row, and whether it holds every token but the
-    # last under the current weights.
-    row: int = -1
-    cached: bool = False
-
-    @property
-    def max_len(self) -> int:
-        """Cache cells this request may need: prompt + max_new tokens."""
-        return len(self.prompt_ids) + self.max_new
 
 
 class DecodeEngine:
@@ -111,7 +75,8 @@ class DecodeEngine:
 
     def __init__(
         self,
-        model_path: str,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
         *,
         max_batch_size: int = 64,
         max_total_tokens: int = 0,
@@ -119,22 +84,20 @@ class DecodeEngine:
         num_threads: int | Cores = 1,
         weight_version: int = 0,
         device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        model_path: str = "",
     ) -> None:
+        """Decode with `model` as given (moved to `device`; update_weights copies into its
+        parameters). tokenizer: only for sampling_params.stop (None: token ids only).
+        model_path: where the weights came from, as /get_model_info reports it. The decode
+        thread starts with start(), `with engine:`, or the first submit()."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if not Path(model_path).is_dir():
-            raise ValueError(f"model directory {model_path} does not exist")
         # A Cores lends the server's cores while it has nothing to generate (areal/cores.py).
         self.cores = num_threads if isinstance(num_threads, Cores) else Cores(num_threads)
         self.max_batch_size = max_batch_size
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        self.model.to(self.device).eval()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        except (OSError, ValueError):  # a weights-only directory: token ids in, token ids out
-            self.tokenizer = None
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
         config = self.model.config
         self.vocab_size: int = self.model.get_input_embeddings().weight.shape[0]
         self.context_len: int = getattr(config, "max_position_embeddings", 1 << 30)
@@ -148,14 +111,14 @@ class DecodeEngine:
             self._kv.bytes_per_token(), self.device
         )
         self._kv.max_cells = self.max_total_tokens
-        self._rows: list[_Request] = []  # the requests in cache rows 0..n-1 (decode thread)
+        self._rows: list[Request] = []  # the requests in cache rows 0..n-1 (decode thread)
         self._kv_stale = False  # set by a weight update: every row must be recomputed
 
         self._cv = threading.Condition()
-        self._held: list[_Request] = []  # submitted during a pause: not admitted yet
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []
-        self._by_rid: dict[str, _Request] = {}
+        self._held: list[Request] = []  # submitted during a pause: not admitted yet
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._by_rid: dict[str, Request] = {}
         self._pause_mode: str | None = None
         self._updates_pending = 0
         self._stepping = False
@@ -164,7 +127,34 @@ class DecodeEngine:
         self._weight_version = weight_version
         self._counters = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
-        self._thread.start()
+
+    @classmethod
+    def from_dir(
+        cls, model_path: str, *, dtype: torch.dtype = torch.float32, **kwargs: Any
+    ) -> DecodeEngine:
+        """An engine over the HF model directory model_path (its tokenizer if it has one);
+        kwargs as DecodeEngine's. Not started."""
+        if not Path(model_path).is_dir():
+            raise ValueError(f"model directory {model_path} does not exist")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except (OSError, ValueError):  # a weights-only directory: token ids in, token ids out
+            tokenizer = None
+        return cls(model, tokenizer, model_path=str(model_path), **kwargs)
+
+    def start(self) -> DecodeEngine:
+        """Start the decode thread (once; later calls do nothing)."""
+        with self._cv:
+            if not self._thread.is_alive() and not self._stopping:
+                self._thread.start()
+        return self
+
+    def __enter__(self) -> DecodeEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -185,7 +175,7 @@ class DecodeEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("sampling_params.stop needs a tokenizer; the model dir has none")
         stop_ids = frozenset() if params.ignore_eos else self.eos_ids | set(params.stop_token_ids)
-        req = _Request(
+        req = Request(
             rid=rid,
             prompt_ids=list(prompt_ids),
             params=params,
@@ -200,7 +190,8 @@ class DecodeEngine:
                 f"budget of {self.max_total_tokens} (inference.max_total_tokens): lower "
                 "max_new_tokens or raise the budget"
             )
-        finished: list[_Request] = []
+        self.start()
+        finished: list[Request] = []
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
@@ -223,7 +214,7 @@ class DecodeEngine:
         issued during the pause (e.g. update_weights(abort_all_requests=True)) leaves them be.
         A rid names any request, held ones included. Returns the number aborted.
         """
-        finished: list[_Request] = []
+        finished: list[Request] = []
         with self._cv:
             if abort_all:
                 victims = list(self._running) + list(self._waiting)
@@ -280,7 +271,7 @@ class DecodeEngine:
         call); requests submitted until the load ends wait for the new weights.
         """
         try:
-            tensors = _load_checked(self.model, model_path)
+            tensors = load_checked(self.model, model_path)
         except (OSError, ValueError) as e:
             return False, f"Failed to update weights from {model_path}: {e}", 0
         with self._cv:
@@ -313,14 +304,15 @@ class DecodeEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort every request (held ones too) and stop the decode thread."""
-        finished: list[_Request] = []
+        finished: list[Request] = []
         with self._cv:
             self._stopping = True
             for req in list(self._by_rid.values()):
                 self._finish_locked(req, _abort("The server is shutting down."), finished)
             self._cv.notify_all()
         self._resolve(finished)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     # ---- introspection --------------------------------------------------------------------
 
@@ -375,7 +367,7 @@ class DecodeEngine:
             except Exception as e:  # a bad step must fail its requests, not kill the server
                 logger.exception("decode step failed")
                 error = e
-            finished: list[_Request] = []
+            finished: list[Request] = []
             with self._cv:
                 self._stepping = False
                 self._counters["steps"] += 1
@@ -392,7 +384,7 @@ class DecodeEngine:
                 self._cv.notify_all()
             self._resolve(finished)
 
-    def _next_batch_locked(self) -> list[_Request] | None:
+    def _next_batch_locked(self) -> list[Request] | None:
         while not self._stopping:
             if self._pause_mode is None:
                 # A pending weight update drains the running batch before it applies. First
@@ -411,7 +403,7 @@ class DecodeEngine:
             self._cv.wait()
         return None
 
-    def _place(self, batch: list[_Request], stale: bool) -> list[_Request]:
+    def _place(self, batch: list[Request], stale: bool) -> list[Request]:
         """Give the batch cache rows 0..n-1: the requests that keep their row stay below
         len(kept), those above it fill the holes the leavers left (one batched copy), new
         ones follow. After a weight update (stale) no cached row is valid any more."""
@@ -439,7 +431,7 @@ class DecodeEngine:
         self._kv.ensure(len(self._rows), max(r.max_len for r in self._rows))
         return self._rows
 
-    def _step(self, batch: list[_Request]) -> tuple[list[int], list[float]]:
+    def _step(self, batch: list[Request]) -> tuple[list[int], list[float]]:
         """1) prefill the requests not cached 2) one decode forward over all 3) sample."""
         todo = [r for r in batch if not r.cached]
         for req in todo:  # a one-token prompt has nothing to prefill
@@ -453,7 +445,7 @@ class DecodeEngine:
         logits = self._kv.decode(last)  # [B, V]
         return sample(logits.float(), batch, self._generator)
 
-    def _append_locked(self, req: _Request, token: int, lp: float, out: list[_Request]) -> None:
+    def _append_locked(self, req: Request, token: int, lp: float, out: list[Request]) -> None:
         req.output_ids.append(token)
         req.logprobs.append(lp)
         self._counters["tokens"] += 1
@@ -468,7 +460,7 @@ class DecodeEngine:
             if matched is not None:
                 self._finish_locked(req, {"type": "stop", "matched": matched}, out)
 
-    def _finish_locked(self, req: _Request, reason: dict, out: list[_Request]) -> None:
+    def _finish_locked(self, req: Request, reason: dict, out: list[Request]) -> None:
         if req.done:
             return
         req.done = True
@@ -490,7 +482,7 @@ class DecodeEngine:
         out.append(req)
 
     @staticmethod
-    def _resolve(finished: list[_Request]) -> None:
+    def _resolve(finished: list[Request]) -> None:
         # Outside the lock: Future callbacks may run arbitrary code.
         for req in finished:
             req.future.set_result(req.result)
@@ -518,98 +510,6 @@ def length_buckets(lengths: list[int], max_padding: float = 0.25) -> list[list[i
         buckets.append([i])
         total = lengths[i]
     return buckets
-
-
-def sample(
-    logits: torch.Tensor, batch: list[_Request], generator: torch.Generator
-) -> tuple[list[int], list[float]]:
-    """One token per row of logits [B, V], and its log-prob before top-p/top-k filtering."""
-    device = logits.device
-    params = [req.params for req in batch]
-    temps = [1.0 if p.greedy else p.temperature for p in params]
-    if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps, device=device)[:, None]
-    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V], what the trainer recomputes
-    masked = logprobs
-    for row, req in enumerate(batch):
-        if len(req.output_ids) < req.params.min_new_tokens and req.stop_ids:
-            masked = masked.clone() if masked is logprobs else masked
-            masked[row, list(req.stop_ids)] = float("-inf")
-    greedy = [p.greedy for p in params]
-    if all(greedy):
-        tokens = masked.argmax(dim=-1)
-    else:
-        if any(p.top_k > 0 or p.top_p < 1 for p in params):
-            vocab = masked.shape[-1]
-            sorted_lp, order = masked.sort(dim=-1, descending=True)  # [B, V]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-            ranks = torch.arange(vocab, device=device)
-            sorted_lp = sorted_lp.masked_fill(ranks >= top_k.to(device)[:, None], float("-inf"))
-            probs = torch.softmax(sorted_lp, dim=-1)
-            # Drop a token once the mass before it already exceeds top_p (the first stays).
-            beyond = probs.cumsum(dim=-1) - probs > top_p[:, None]
-            sorted_lp = sorted_lp.masked_fill(beyond, float("-inf"))
-            picked = categorical(sorted_lp.exp(), generator)
-            tokens = order.gather(1, picked[:, None]).squeeze(1)
-        else:
-            # exp(log_softmax) is the distribution itself (categorical renormalises what a
-            # min_new_tokens mask removed).
-            tokens = categorical(masked.exp(), generator)
-        if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=device), masked.argmax(-1), tokens)
-    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), token_logprobs.tolist()
-
-
-def categorical(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index per row of non-negative weights [B, V], drawn with probability weight / row
-    sum, by inverting the cumulative sum at one uniform per row.
-
-    torch.multinomial draws an exponential per vocabulary entry (B x V random numbers); this
-    draws B, which made it 7x (vocabulary 512) to 2x (151,936) cheaper, and a quarter of a
-    decode step of the tiny models. In float64, so that the cumulative sum's rounding leaves a
-    token of probability 1e-9 its share; an entry of weight 0 is never drawn.
-    """
-    cdf = weights.double().cumsum(dim=-1)
-    total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
-    # The first entry whose cumulative sum exceeds u; u rounded up to the total would give V,
-    # so clamp to the last entry of positive weight (the number of entries below the total).
-    index = torch.searchsorted(cdf, u, right=True)
-    return torch.minimum(index, (cdf < total).sum(-1, keepdim=True)).squeeze(1)
-
-
-def _load_checked(model: torch.nn.Module, model_path: str) -> dict[str, torch.Tensor]:
-    """All tensors of model_path/*.safetensors, checked name by name against the model."""
-    path = Path(model_path)
-    if not path.is_dir():
-        raise ValueError(f"model_path {model_path} is not a directory")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors file in {model_path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(file))
-    expected = model.state_dict()
-    problems = [f"unexpected tensor {name}" for name in sorted(set(tensors) - set(expected))]
-    # Tied parameters (lm_head and embeddings) share storage: one of their names suffices.
-    groups: dict[int, list[str]] = collections.defaultdict(list)
-    for name, tensor in expected.items():
-        groups[tensor.data_ptr()].append(name)
-    problems += [
-        f"missing tensor {names[0]}"
-        for names in groups.values()
-        if not any(name in tensors for name in names)
-    ]
-    problems += [
-        f"tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name].shape)}"
-        for name, t in tensors.items()
-        if name in expected and t.shape != expected[name].shape
-    ]
-    if problems:
-        raise ValueError("; ".join(problems))
-    return tensors
 
 
 def _auto_token_budget(bytes_per_token: int, device: torch.device) -> int:

@@ -264,7 +264,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         decode_engine = await asyncio.to_thread(
-            DecodeEngine,
+            DecodeEngine.from_dir,
             args.model,
             max_batch_size=args.max_batch_size,
             max_total_tokens=args.max_total_tokens,
@@ -278,6 +278,7 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"cannot load the model from {args.model}: {e}", file=sys.stderr)
         await runner.cleanup()
         return 1
+    decode_engine.start()
     app[STATE_KEY]["decode_engine"] = decode_engine
     rolelog.set_context(version=lambda: decode_engine.weight_version)
     print(

@@ -25,17 +25,12 @@ raises ValueError naming the missing or malformed field.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
+from areal.rollout.generation import PAUSE_MODES, GenerationResult, SamplingParams
 from areal.rollout.http_error import BadRequest
 from areal.rollout.inference import FINISH_REASONS, GenerateOutput
-
-if TYPE_CHECKING:  # engine.py imports torch; the client side must not
-    from areal.rollout.engine import GenerationResult
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-"""/pause_generation's modes (SGLang's)."""
 
 FLUSH_CACHE_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
@@ -215,49 +210,6 @@ def _field(obj: dict, key: str, kind: type, prefix: str) -> Any:
 
 
 # ---- server side: request parsers ---------------------------------------------------------
-
-
-@dataclass(kw_only=True)
-class SamplingParams:
-    """The subset of SGLang's sampling parameters that the embedded engine implements."""
-
-    max_new_tokens: int = 128
-    """Generate at most this many tokens (clipped to the model's context length)."""
-    temperature: float = 1.0
-    """0 means greedy; the returned log-probs then use temperature 1."""
-    top_p: float = 1.0
-    """Nucleus sampling mass, in (0, 1]."""
-    top_k: int = -1
-    """Sample among the k most likely tokens; -1 or 0 turns it off."""
-    min_new_tokens: int = 0
-    """EOS and stop tokens are masked out until this many tokens exist."""
-    stop_token_ids: list[int] = field(default_factory=list)
-    """Extra token ids that end generation (ignored with ignore_eos, as in SGLang)."""
-    stop: list[str] = field(default_factory=list)
-    """Strings that end generation once the decoded output contains them."""
-    ignore_eos: bool = False
-    """Generate until max_new_tokens whatever tokens appear."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(
-                f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}"
-            )
-        if self.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"sampling_params.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
-            raise ValueError(
-                "sampling_params.min_new_tokens must be between 0 and max_new_tokens, "
-                f"got {self.min_new_tokens}"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-6
 
 
 @dataclass

@@ -43,7 +43,7 @@ def make_backend(
         from areal.trainer.torch_backend import TorchBackend
 
         device = str(dp.device) if dp.device.type == "cuda" else None
-        return TorchBackend(model_dir, device=device, **common), dp
+        return TorchBackend.from_dir(model_dir, device=device, **common), dp
     assert t.backend == "megatron", t.backend  # TrainerConfig checks the name
     from areal.trainer.megatron.backend import MegatronBackend, data_parallel_group
 
@@ -66,6 +66,8 @@ def make_reference(cfg: ExperimentConfig, dp: DataParallel) -> TrainerBackend:
     from areal.trainer.torch_backend import TorchBackend
 
     device = str(dp.device) if dp.device.type == "cuda" else None
-    ref = TorchBackend(cfg.ref_model.path or cfg.model.path, device=device, **_backend_kwargs(cfg))
+    ref = TorchBackend.from_dir(
+        cfg.ref_model.path or cfg.model.path, device=device, **_backend_kwargs(cfg)
+    )
     ref.model.requires_grad_(False)
     return ref

@@ -37,9 +37,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from areal.checkpoint import load_rank_state, save_rank_state
@@ -65,8 +66,10 @@ class TorchBackend:
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model: torch.nn.Module,
         *,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        model_dir: str | Path | None = None,
         lr: float,
         weight_decay: float,
         betas: Sequence[float],
@@ -77,11 +80,14 @@ class TorchBackend:
         temperature: float = 1.0,
         device: str | None = None,
     ):
+        """Train `model` (a transformers causal LM) in place, its parameters in float32.
+        save_hf writes the tokenizer and generation files of model_dir beside the weights
+        (from_dir), or else `tokenizer` when given."""
         hf_logging.disable_progress_bar()  # one bar per published version would flood the log
-        self.model_dir = Path(model_dir)
+        self.model_dir = None if model_dir is None else Path(model_dir)
+        self.tokenizer = tokenizer
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.model.to(self.device)
+        self.model = model.to(device=self.device, dtype=torch.float32)
         self.compute_dtype = DTYPES[dtype]
         self.temperature = temperature
         self.grad_clip = grad_clip
@@ -100,6 +106,12 @@ class TorchBackend:
         self._packed_by_position = self.model.config._attn_implementation == "flash_attention_2"
         if not self._packed_by_position:
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, **kwargs: Any) -> TorchBackend:
+        """A backend over the HF model directory model_dir; kwargs as TorchBackend's."""
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return cls(model, model_dir=model_dir, **kwargs)
 
     def logprobs(
         self,
@@ -203,7 +215,10 @@ class TorchBackend:
         assert out_dir is not None, "not a collective save: only global rank 0 calls it"
         out = Path(out_dir)
         self.model.save_pretrained(out, safe_serialization=True)
-        copy_companion_files(self.model_dir, out)
+        if self.model_dir is not None:
+            copy_companion_files(self.model_dir, out)
+        elif self.tokenizer is not None:
+            self.tokenizer.save_pretrained(out)
 
     def save_optimizer(self, directory: Path | None) -> None:
         """Adam's moments and step counts into the checkpoint directory (optimizer-tp0-pp0,

@@ -1,6 +1,6 @@
 """The trainer worker: batch in, PPO update, weights out, one line of metrics.
 
-One loop, the same on every rank of the trainer world (`_train`); what only global rank 0
+One loop, the same on every rank of the trainer world (`train`); what only global rank 0
 does in it (`dp.is_main`) talks to the controller and writes files:
 
     step: version i -> i+1, on every rank
@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -138,8 +139,14 @@ def run_trainer(cfg: ExperimentConfig, key: bytes, index: int = 0) -> None:
     """One trainer rank; `index` is its rank in the trainer world (0 without parallelism)."""
     par = cfg.trainer.parallel
     dp = init_data_parallel(par.dp, index, par.timeout_s, model_parallel=par.tp * par.pp)
+
+    def connect() -> SyncRpcClient:
+        wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
+        address = Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s)
+        return SyncRpcClient(address, key)
+
     try:
-        _train(cfg, key, dp)
+        train(cfg, dp, connect)
     finally:
         dp.close()
 
@@ -163,7 +170,9 @@ def batch_line(version: int, trajs: list[Trajectory], stale: list[int]) -> dict:
     }
 
 
-def _train(cfg: ExperimentConfig, key: bytes, dp: DataParallel) -> None:
+def train(cfg: ExperimentConfig, dp: DataParallel, connect: Callable[[], SyncRpcClient]) -> None:
+    """The loop of one rank; global rank 0 reaches the controller through connect() (an
+    RPC client, or areal/inline.py's in-process stand-in)."""
     torch.manual_seed(cfg.seed)
     cores = role_cores(cfg.trainer.num_threads)
     # Every rank loads the same weights and optimizer state, so that identical summed
@@ -180,9 +189,7 @@ def _train(cfg: ExperimentConfig, key: bytes, dp: DataParallel) -> None:
         version = resume_from.version
     controller, metrics = None, None
     if dp.is_main:
-        wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
-        address = Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s)
-        controller = SyncRpcClient(address, key)
+        controller = connect()
         metrics = _Metrics(cfg.exp_dir, dp)
     t_saved = time.time()
     while version < cfg.total_train_steps:

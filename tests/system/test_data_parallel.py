@@ -60,7 +60,7 @@ STEP_ARGS = dict(
 
 
 def make_backend(model_dir) -> TorchBackend:
-    return TorchBackend(
+    return TorchBackend.from_dir(
         model_dir,
         lr=1e-2,
         weight_decay=0.0,

@@ -24,7 +24,9 @@ def test_engine_on_cuda_returns_the_models_logprobs(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir = make_tiny_model(tmp_path / "model", warmup_steps=0)
-    engine = DecodeEngine(str(model_dir), max_batch_size=8, device="cuda", max_total_tokens=4096)
+    engine = DecodeEngine.from_dir(
+        str(model_dir), max_batch_size=8, device="cuda", max_total_tokens=4096
+    )
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (1, 5, 17, 40)]

@@ -9,7 +9,7 @@ import pytest
 
 from areal.config import ConfigError
 from areal.rollout.backends import load_backend, names
-from areal.rollout.engine import GenerationResult
+from areal.rollout.generation import GenerationResult
 from areal.rollout.http_error import BadRequest
 from areal.rollout.inference import GenerateOutput, InferenceClient
 from areal.rollout.sglang_api import (

@@ -169,10 +169,10 @@ def test_the_engine_lends_while_it_has_nothing_to_generate(tmp_path) -> None:
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, eos_token_id=0,
     )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "model")
     server, trainer = pair(tmp_path)
     trainer.work()
-    engine = DecodeEngine(str(tmp_path / "model"), num_threads=server, max_total_tokens=4096)
+    engine = DecodeEngine(Qwen2ForCausalLM(config), num_threads=server, max_total_tokens=4096)
+    engine.start()  # idle from the start: the thread lends before any request
     try:
         slot = 2 * server.slot
         deadline = time.monotonic() + 10

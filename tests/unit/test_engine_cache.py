@@ -7,6 +7,7 @@ every mode, aborts, resumes and weight updates (a resumed request recomputes its
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from concurrent.futures import Future
@@ -16,8 +17,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from areal.rollout.engine import DecodeEngine, SamplingParams, categorical
+from areal.rollout.engine import DecodeEngine, SamplingParams
 from areal.rollout.kv_cache import KVCache
+from areal.rollout.sampling import categorical
 
 TEMP = 0.7
 ATOL = 1e-4
@@ -58,7 +60,7 @@ def models(tmp_path_factory):
 @pytest.fixture
 def engine(models):
     eng = DecodeEngine(
-        str(models["dir"] / "model"), max_batch_size=8, seed=3, max_total_tokens=8 * 200
+        copy.deepcopy(models["a"]), max_batch_size=8, seed=3, max_total_tokens=8 * 200
     )
     yield eng
     eng.shutdown()
@@ -216,7 +218,7 @@ def test_abort_one_request_leaves_the_others_exact(engine, models):
 
 
 def test_token_budget_queues_what_does_not_fit_and_refuses_what_never_fits(models):
-    engine = DecodeEngine(str(models["dir"] / "model"), max_batch_size=8, max_total_tokens=100)
+    engine = DecodeEngine(copy.deepcopy(models["a"]), max_batch_size=8, max_total_tokens=100)
     try:
         with pytest.raises(ValueError, match="max_total_tokens"):
             engine.submit("big", [1] * 20, _params(81))  # 101 cells > 100
@@ -240,8 +242,8 @@ def test_token_budget_queues_what_does_not_fit_and_refuses_what_never_fits(model
 def test_a_bfloat16_engine_generates_and_loads_float32_weights_cast(models):
     """--dtype bfloat16: the model and its cache are bfloat16, float32 weights loaded later
     are cast to it, and log-probs are the bfloat16 model's (float32 ones within its noise)."""
-    eng = DecodeEngine(str(models["dir"] / "model"), max_batch_size=4, seed=3,
-                       max_total_tokens=4 * 200, dtype=torch.bfloat16)  # fmt: skip
+    eng = DecodeEngine.from_dir(str(models["dir"] / "model"), max_batch_size=4, seed=3,
+                                max_total_tokens=4 * 200, dtype=torch.bfloat16)  # fmt: skip
     try:
         assert {p.dtype for p in eng.model.parameters()} == {torch.bfloat16}
         ok, message, _ = eng.update_weights(str(models["dir"] / "weights_b"), weight_version=1)

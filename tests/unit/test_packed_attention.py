@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 def make_backend(model_dir) -> TorchBackend:
     kw = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0)
-    return TorchBackend(model_dir, warmup_steps=0, device="cpu", **kw)
+    return TorchBackend.from_dir(model_dir, warmup_steps=0, device="cpu", **kw)
 
 
 def random_seqs(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:

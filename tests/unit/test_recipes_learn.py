@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from areal.config import RECIPES, PPOConfig
-from areal.models.tiny import make_tiny_model
+from areal.models.tiny import build_tiny_model
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory
@@ -25,13 +25,13 @@ N_PROMPTS, GROUP, N_NEW, STEPS = 4, 8, 4, 20
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", warmup_steps=0)
+def model():
+    return build_tiny_model(warmup_steps=0)[0]
 
 
-def make_backend(model_dir, lr: float = 3e-3) -> TorchBackend:
+def make_backend(model, lr: float = 3e-3) -> TorchBackend:
     return TorchBackend(
-        model_dir, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8,
+        copy.deepcopy(model), lr=lr, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8,
         grad_clip=1.0, warmup_steps=0, device="cpu",
     )  # fmt: skip
 
@@ -65,10 +65,10 @@ def sample(model, prompts, version: int, gen: torch.Generator, group_base: int):
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_recipe_raises_the_reward(model_dir, recipe) -> None:
+def test_recipe_raises_the_reward(model, recipe) -> None:
     torch.manual_seed(0)
-    backend = make_backend(model_dir)
-    ref = make_backend(model_dir) if RECIPES[recipe].get("kl_coef") else None
+    backend = make_backend(model)
+    ref = make_backend(model) if RECIPES[recipe].get("kl_coef") else None
     ppo = PPOConfig(recipe=recipe, n_minibatches=2)
     gen = torch.Generator().manual_seed(1)
     vocab = backend.model.config.vocab_size

@@ -46,7 +46,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_backend(model_dir) -> TorchBackend:
-    return TorchBackend(
+    return TorchBackend.from_dir(
         model_dir,
         lr=1e-2,
         weight_decay=0.01,
@@ -144,7 +144,7 @@ def test_a_bfloat16_trainer_keeps_float32_weights_and_adam(model_dir):
     noise of float32's, not equal), the parameters and Adam's moments stay float32, and an
     update far below bfloat16's resolution is kept."""
     fp32 = make_backend(model_dir)
-    bf16 = TorchBackend(
+    bf16 = TorchBackend.from_dir(
         model_dir, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8,
         grad_clip=1.0, warmup_steps=0, dtype="bfloat16", device="cpu",
     )  # fmt: skip
