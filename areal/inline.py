@@ -1,5 +1,5 @@
-"""A whole run in one Python process: `python -m areal.inline --config configs/tiny.yaml`
-(the same as `python -m areal.train --config ... launcher.type=inline`).
+"""A whole run in one Python process: `python -m areal.train --config configs/tiny.yaml
+launcher.type=inline`.
 
 ```
  main thread            trainer loop (trainer/worker.py train): get_batch -> train_step
@@ -258,13 +258,3 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
         loop.close()
         for engine in engines:
             engine.shutdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from areal.train import main as train_main
-
-    return train_main([*(sys.argv[1:] if argv is None else argv), "launcher.type=inline"])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
