@@ -156,6 +156,11 @@ class Cores:
         if self._ledger is not None:
             self._ledger[2 * self.slot] = time.monotonic()
 
+    @property
+    def lending(self) -> bool:
+        """Whether the ledger says this role waits (its share lent to peers with work)."""
+        return self._ledger is not None and self._ledger[2 * self.slot] > 0
+
     def adapt(self) -> int:
         """Set the threads for the next unit of work: the share plus its part of the lent cores."""
         if self._ledger is not None:

@@ -74,10 +74,11 @@ class InProcessRpc:
             raise RpcError(f"{type(e).__name__}: {e}") from e
         return unpack(pack(result))
 
-    def call_soon(self, method: str, timeout: float, **args: Any) -> None:
+    def call_soon(self, method: str, timeout: float, **args: Any) -> asyncio.Task:
         task = asyncio.create_task(self.call(method, timeout=timeout, **args))
         self._soon.add(task)
         task.add_done_callback(self._soon.discard)
+        return task
 
     def close(self) -> None:
         """Cancel the call_soon calls and the methods still running (as RpcServer.close)."""

@@ -182,12 +182,14 @@ class RpcClient(_Endpoint):
         finally:
             self._pending.pop(rid, None)
 
-    def call_soon(self, method: str, timeout: float, **args: Any) -> None:
+    def call_soon(self, method: str, timeout: float, **args: Any) -> asyncio.Task:
         """Call `method(**args)` without waiting for it: for notices whose reply nobody
-        reads. A failure is logged, never raised; close() cancels the calls still waiting."""
+        reads. A failure is logged, never raised; close() cancels the calls still waiting.
+        Returns the call's task (held here until done; nobody needs to await it)."""
         task = asyncio.create_task(self.call(method, timeout=timeout, **args))
         self._soon.add(task)
         task.add_done_callback(functools.partial(self._soon_done, method))
+        return task
 
     def _soon_done(self, method: str, task: asyncio.Task) -> None:
         self._soon.discard(task)

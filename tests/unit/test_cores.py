@@ -151,7 +151,12 @@ def test_the_trainer_borrows_and_hands_back_layer_by_layer(tmp_path) -> None:
         layer.register_full_backward_pre_hook(lambda m, g, i=i: seen.append((f"b{i}", a.threads)))
 
     def b_returns(grad: torch.Tensor) -> None:  # in the backward, as layer 2's starts
-        b._ledger[2 * b.slot] = 0.0  # working (as b.work() marks it, without its wait)
+        # b starts working in a thread of its own (another process in a run): it marks the
+        # ledger at once, then waits for a to hand its share back at a's next layer.
+        threading.Thread(target=b.work, daemon=True).start()
+        deadline = time.monotonic() + 10
+        while b.lending and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     a.work()
     b.wait()
@@ -174,20 +179,19 @@ def test_the_engine_lends_while_it_has_nothing_to_generate(tmp_path) -> None:
     engine = DecodeEngine(Qwen2ForCausalLM(config), num_threads=server, max_total_tokens=4096)
     engine.start()  # idle from the start: the thread lends before any request
     try:
-        slot = 2 * server.slot
         deadline = time.monotonic() + 10
-        while server._ledger[slot] == 0 and time.monotonic() < deadline:
+        while not server.lending and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert server._ledger[slot] > 0, "an idle engine did not lend its share"
+        assert server.lending, "an idle engine did not lend its share"
         params = SamplingParams(max_new_tokens=2000, ignore_eos=True)
         running = engine.submit("r", [1, 2, 3], params)
-        while server._ledger[slot] != 0 and time.monotonic() < deadline:
+        while server.lending and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert server._ledger[slot] == 0, "a generating engine still lends its share"
+        assert not server.lending, "a generating engine still lends its share"
         engine.abort("r")
         running.result(timeout=10)
-        while server._ledger[slot] == 0 and time.monotonic() < deadline:
+        while not server.lending and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert server._ledger[slot] > 0
+        assert server.lending
     finally:
         engine.shutdown()
