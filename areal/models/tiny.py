@@ -120,7 +120,7 @@ def episode_texts(task: str, max_operand: int, seed: int, n_batches: int = 8) ->
     episodes = [item for _, batch in zip(range(n_batches), batches, strict=False) for item in batch]
     if not episodes or isinstance(episodes[0], tuple):
         return []
-    from areal.workflow.openai_endpoint import chat_messages  # aiohttp: only for episodes
+    from areal.workflow.openai_api import chat_messages
 
     render = build_tokenizer(seed)  # only its chat template is used: text, not ids
     return [
@@ -177,7 +177,7 @@ def _warmup_sequences(
         prompt_ids = chat_prompt_ids(tokenizer, prompt)
         response_ids = tokenizer.encode(response, add_special_tokens=False) + [eos]
         return [(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids))]
-    from areal.workflow.openai_endpoint import chat_input_ids  # aiohttp: only for episodes
+    from areal.workflow.openai_api import chat_input_ids
 
     out: list[tuple[list[int], list[int]]] = []
     for call in item:

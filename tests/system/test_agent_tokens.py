@@ -31,7 +31,7 @@ from areal.trainer.step import _token_tensors
 from areal.trajectory import Trajectory
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.api import RolloutEngine
-from areal.workflow.openai_endpoint import chat_messages
+from areal.workflow.openai_api import chat_messages
 from tests.system.conftest import SHARED_MODELS_ENV, copy_weights, embedded_server, ref_logprobs
 from tests.unit.test_tool_parsers import ADD as ADD_TOOL
 

@@ -17,7 +17,7 @@ from areal.models.tiny import _warmup_sequences, build_tokenizer, episode_texts
 from areal.trajectory import Trajectory
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.api import RolloutEngine
-from areal.workflow.openai_endpoint import chat_input_ids
+from areal.workflow.openai_api import chat_input_ids
 from examples import add_tool
 
 SPEC = "examples.add_tool:TASK"

@@ -10,7 +10,7 @@ import pytest
 from areal.config import load_config
 from areal.config_loader import ConfigError
 from areal.models.tiny import build_tokenizer
-from areal.workflow.openai_endpoint import (
+from areal.workflow.openai_api import (
     BadRequest,
     chat_completion,
     chat_messages,

@@ -13,7 +13,7 @@ from areal.controller.controller import Controller
 from areal.trajectory import Trajectory
 from areal.workflow import Workflow, load_workflow
 from areal.workflow.agent import AgentWorkflow
-from areal.workflow.openai_endpoint import BadRequest, chat_messages, cut_at_stop, request_params
+from areal.workflow.openai_api import BadRequest, chat_messages, cut_at_stop, request_params
 from areal.workflow.samples import (
     Call,
     call_rewards,
