@@ -208,11 +208,12 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
 
     from areal.controller.failures import NO_PROGRESS_EXIT, NoProgress
     from areal.data.dataset import load_rows, tokenize_rows
+    from areal.rollout.backends import load_backend
     from areal.rollout.engine import DecodeEngine
     from areal.trainer.parallel import DataParallel
     from areal.trainer.worker import train
 
-    if cfg.inference.backend != "embedded":
+    if not load_backend(cfg.inference.backend).in_process:
         raise ConfigError(
             f"launcher.type=inline runs the embedded engine in this process, not "
             f"inference.backend={cfg.inference.backend}: set inference.backend=embedded"

@@ -7,6 +7,7 @@
             .command(cfg, k, host, port, api_key) -> (argv, env)   server k's process
             .version_problem(python)    None, or why that interpreter cannot serve and the fix
             .lends_cores                its server's threads join the core ledger (cores.py)
+            .in_process                 its engine can run in the launcher's process (inline)
 
 A new backend is one module here defining `BACKEND` (an InferenceBackend); nothing else names
 it. This package imports none of them (load_backend does, by name), and none of them imports
@@ -36,6 +37,9 @@ class InferenceBackend:
     lends_cores: bool = False
     """Its servers run their torch threads on the core ledger (areal/cores.py), lending their
     share while they wait; a server with threads of its own keeps a fixed share."""
+    in_process: bool = False
+    """Its engine can run inside one Python process with every other role
+    (launcher.type=inline: areal/inline.py builds it from objects)."""
 
     def check(self, cfg: Any) -> None:
         """Raise ConfigError for a config this backend cannot serve (called on load)."""

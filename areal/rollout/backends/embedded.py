@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class Embedded(InferenceBackend):
     name = "embedded"
     lends_cores = True
+    in_process = True  # DecodeEngine + EngineClient (areal/inline.py)
 
     def check(self, cfg: Any) -> None:
         if cfg.inference.extra_args:
