@@ -15,6 +15,7 @@ library and PyYAML only, never torch.
 import dataclasses
 import re
 import sys
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +32,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 __all__ = ["ConfigError", "ExperimentConfig", "load_config", "from_dict", "to_dict"]
 
 
-class _Section:
-    """Shared checks; `_section` is the dotted path of the section, so messages name keys."""
+class Section:
+    """A config section with its shared checks; `_section` is its dotted path, so messages
+    name keys. A plugin's options (a task's: dataset.options) are a Section too."""
 
     _section: ClassVar[str] = ""
 
@@ -45,11 +47,11 @@ class _Section:
     def _check_types(self) -> None:
         # Runs first in every __post_init__ so that direct construction and loading share
         # one type check, and int -> float is normalised once.
+        types = typing.get_type_hints(type(self))  # a plugin's section may postpone them
         for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
             setattr(
-                self,
-                f.name,
-                config_loader.convert_checked(getattr(self, f.name), f.type, self._key(f.name)),
+                self, f.name, config_loader.convert_checked(value, types[f.name], self._key(f.name))
             )
 
     def _positive(self, *names: str) -> None:
@@ -71,7 +73,7 @@ class _Section:
 
 
 @dataclass(kw_only=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     _section: ClassVar[str] = "model"
 
     path: str = ""
@@ -97,17 +99,17 @@ class ModelConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class DatasetConfig(_Section):
+class DatasetConfig(Section):
     _section: ClassVar[str] = "dataset"
 
     type: str = "arith"
-    """Task (areal/tasks/): arith (small sums) or longtail (repeated addition with long-tailed scratchpads), both made in code; math or code, from dataset.path; or "package.module:object" naming a Task."""  # noqa: E501
+    """Task: a module of areal/tasks/ (made in code, or read from dataset.path) or "package.module:object" naming a Task."""  # noqa: E501
     path: str = ""
-    """Dataset file; required for math and code."""
-    max_operand: int = 5
-    """Largest operand of the arith task (sums of 0..5 are learnt by the tiny model in minutes)."""
+    """Dataset file; required for tasks read from one."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The task's own options (its Task.options section, e.g. arith's max_operand), checked and completed with its defaults."""  # noqa: E501
     n_problems: int = 2000
-    """Number of arith or longtail problems generated."""
+    """Number of problems a task made in code generates."""
     max_prompt_len: int = 1024
     """Prompts longer than this many tokens are dropped."""
 
@@ -120,17 +122,20 @@ class DatasetConfig(_Section):
         if not tasks.SPEC.fullmatch(self.type):
             if self.type not in tasks.names():
                 self._fail("type", f"must be one of {tasks.known()}; got {self.type!r}")
-            if tasks.load_task(self.type).needs_path and not self.path:
+            task = tasks.load_task(self.type)
+            if task.needs_path and not self.path:
                 self._fail(
                     "path",
                     f"is required when dataset.type is {self.type!r}: set it to the "
                     "dataset file, or use a task made in code (dataset.type=arith or longtail)",
                 )
-        self._positive("max_operand", "n_problems", "max_prompt_len")
+            parsed = task.options_of(self.options)  # completed with its defaults
+            self.options = dataclasses.asdict(parsed) if parsed is not None else {}
+        self._positive("n_problems", "max_prompt_len")
 
 
 @dataclass(kw_only=True)
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     _section: ClassVar[str] = "rollout"
 
     n_servers: int = 1
@@ -199,7 +204,7 @@ class RolloutConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class InferenceConfig(_Section):
+class InferenceConfig(Section):
     _section: ClassVar[str] = "inference"
 
     backend: str = "embedded"
@@ -251,7 +256,7 @@ class InferenceConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class RewardConfig(_Section):
+class RewardConfig(Section):
     _section: ClassVar[str] = "reward"
 
     correct: float = 5.0
@@ -280,7 +285,7 @@ class RewardConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class MicroBatchSpec(_Section):
+class MicroBatchSpec(Section):
     _section: ClassVar[str] = "trainer.mb_spec"
 
     max_tokens_per_mb: int = 32768
@@ -294,7 +299,7 @@ class MicroBatchSpec(_Section):
 
 
 @dataclass(kw_only=True)
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     _section: ClassVar[str] = "trainer.parallel"
 
     dp: int = 1
@@ -317,7 +322,7 @@ class ParallelConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     _section: ClassVar[str] = "trainer"
 
     backend: str = "torch"
@@ -436,7 +441,7 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 @dataclass(kw_only=True)
-class PPOConfig(_Section):
+class PPOConfig(Section):
     """The objective: decoupled PPO (the paper) and the knobs of GRPO, Dr.GRPO, DAPO, GSPO,
     RLOO, REINFORCE++, CISPO and M2PO; areal/trainer/ppo.py has each knob's formula."""
 
@@ -621,7 +626,7 @@ class PPOConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class RefModelConfig(_Section):
+class RefModelConfig(Section):
     _section: ClassVar[str] = "ref_model"
 
     path: str = ""
@@ -632,7 +637,7 @@ class RefModelConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class LauncherConfig(_Section):
+class LauncherConfig(Section):
     _section: ClassVar[str] = "launcher"
 
     type: str = "local"
@@ -674,7 +679,7 @@ class LauncherConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class WandbConfig(_Section):
+class WandbConfig(Section):
     _section: ClassVar[str] = "stats.wandb"
 
     mode: str = "disabled"
@@ -692,7 +697,7 @@ class WandbConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class StatsConfig(_Section):
+class StatsConfig(Section):
     _section: ClassVar[str] = "stats"
 
     events: bool = True
@@ -705,7 +710,7 @@ class StatsConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class RecoverConfig(_Section):
+class RecoverConfig(Section):
     _section: ClassVar[str] = "recover"
 
     max_restarts: int = 3
@@ -717,7 +722,7 @@ class RecoverConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class ExperimentConfig(_Section):
+class ExperimentConfig(Section):
     experiment_name: str = "tiny"
     """Experiment name; the directory is {fileroot}/{experiment_name}/{trial_name}."""
     trial_name: str = "run0"

@@ -7,7 +7,9 @@
 It knows nothing of areal's keys: `areal/config.py` holds the schema (the dataclasses, their
 documented fields and checks) and binds these functions to its root, `ExperimentConfig`.
 A section is any dataclass; a leaf is a bool, int, float, str, a list of one of them, or one
-of them or null. Standard library and PyYAML only: every role imports this first.
+of them or null; a dict leaf holds a plugin's options (`dataset.options.max_operand=3`
+reaches into it), which the plugin's own section checks (build(..., at=...)). Standard
+library and PyYAML only: every role imports this first.
 """
 
 import ast
@@ -52,6 +54,8 @@ def _type_name(tp: Any) -> str:
         return f"{_type_name(inner)} or null"
     if typing.get_origin(tp) is list:
         return f"a list of {args[0].__name__}s"
+    if typing.get_origin(tp) is dict:
+        return "a mapping of option names to values"
     return {bool: "a bool (true/false)", int: "an int", float: "a float", str: "a str"}[tp]
 
 
@@ -66,6 +70,10 @@ def _convert(value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise _Mismatch
         return [_convert(v, typing.get_args(tp)[0]) for v in value]
+    if origin is dict:  # a plugin's options: their own section checks them
+        if not isinstance(value, Mapping):
+            raise _Mismatch
+        return {str(k): v for k, v in value.items()}
     # bool is a subclass of int: `lr: true` is a mistake, not 1.0.
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -90,7 +98,7 @@ def convert_checked(value: Any, tp: Any, key: str) -> Any:
         return _convert(value, tp)
     except _Mismatch:
         hint = ""
-        if isinstance(value, Mapping) and not is_section(tp):
+        if isinstance(value, Mapping) and not is_section(tp) and typing.get_origin(tp) is not dict:
             hint = f": {key} is a single value, not a section"
         raise ConfigError(
             f"{key} expects {_type_name(tp)}, got {short(value)} ({type(value).__name__}){hint}"
@@ -115,7 +123,8 @@ def _all_keys(root: type) -> dict[str, Any]:
     return {key: f.type for key, f, _ in walk(root)}
 
 
-def _unknown_key(root: type, key: str) -> ConfigError:
+def _unknown_key(root: type, key: str, at: str = "") -> ConfigError:
+    """The error for `key` (relative to root, found at dotted `at`), with the closest keys."""
     keys = list(_all_keys(root))
     parent, _, last = key.rpartition(".")
     parent_tp = _all_keys(root).get(parent) if parent else root
@@ -127,11 +136,13 @@ def _unknown_key(root: type, key: str) -> ConfigError:
         or [f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(last, siblings, 1)]
         or difflib.get_close_matches(key, keys, n=1, cutoff=0.8)
     )
-    msg = f"unknown config key {key!r}"
+    msg = f"unknown config key {at + key!r}"
     if matches:
-        return ConfigError(f"{msg}: did you mean {' or '.join(map(repr, matches))}?")
+        return ConfigError(f"{msg}: did you mean {' or '.join(repr(at + m) for m in matches)}?")
     if siblings:
-        where = f"of {parent!r}" if parent else "at the top level"
+        where = (
+            f"of {at + parent!r}" if parent else (f"of {at[:-1]!r}" if at else "at the top level")
+        )
         return ConfigError(f"{msg}: valid keys {where} are {', '.join(siblings)}")
     return ConfigError(msg)
 
@@ -150,16 +161,18 @@ _Loader.add_implicit_resolver(
 )
 
 
-def build(root: type[T], data: Any) -> T:
-    """Build and validate `root` from a nested mapping; missing keys take defaults."""
-    return _build(root, root, data, "")
+def build(root: type[T], data: Any, at: str = "") -> T:
+    """Build and validate `root` from a nested mapping; missing keys take defaults. at: the
+    dotted key the mapping sits at (a plugin's options, e.g. "dataset.options."), for
+    messages."""
+    return _build(root, root, data, "", at)
 
 
-def _build(root: type, cls: type, data: Any, prefix: str) -> Any:
-    if data is None and prefix:
+def _build(root: type, cls: type, data: Any, prefix: str, at: str = "") -> Any:
+    if data is None and (prefix or at):
         data = {}  # `trainer:` with every key commented out means its defaults
     if not isinstance(data, Mapping):
-        where = f"{prefix} is a section" if prefix else "the config must be a mapping"
+        where = f"{at}{prefix} is a section" if prefix or at else "the config must be a mapping"
         raise ConfigError(
             f"{where}: give a mapping of its keys, got {short(data)} ({type(data).__name__})"
         )
@@ -168,9 +181,9 @@ def _build(root: type, cls: type, data: Any, prefix: str) -> Any:
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
         if name not in fields:
-            raise _unknown_key(root, key)
+            raise _unknown_key(root, key, at)
         tp = fields[name].type
-        kwargs[name] = _build(root, tp, value, key) if is_section(tp) else value
+        kwargs[name] = _build(root, tp, value, key, at) if is_section(tp) else value
     return cls(**kwargs)
 
 
@@ -189,7 +202,9 @@ def _apply_override(root: type, data: dict, override: str) -> None:
             "dotted.key=value, e.g. trainer.lr=1e-5"
         )
     key, text = (s.strip() for s in override.split("=", 1))
-    if key not in _all_keys(root):
+    keys = _all_keys(root)
+    owners = [k for k in keys if key.startswith(k + ".")]  # a plugin's option is below a dict
+    if key not in keys and not (owners and typing.get_origin(keys[max(owners, key=len)]) is dict):
         raise _unknown_key(root, key)
     try:
         value = yaml.load(text, Loader=_Loader)

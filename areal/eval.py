@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from areal.config import ConfigError, DatasetConfig, RewardConfig, RolloutConfig, load_config
 from areal.rollout.auth import API_KEY_ENV
 
@@ -88,8 +90,6 @@ def load_problems(args: argparse.Namespace) -> list[dict]:
 
     dataset = dataclasses.replace(
         args.dataset,
-        type=args.task,
-        path=args.data or "",
         n_problems=args.max_problems or 32,
         max_prompt_len=args.max_prompt_len,
     )
@@ -219,7 +219,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, help="default: --config's rollout, else 0.95")
     p.add_argument("--max-problems", type=int, default=0, help="first N problems (0: all)")
     p.add_argument("--max-prompt-len", type=int, default=1024)
-    p.add_argument("--max-operand", type=int, help="arith task only (default: 5)")
+    p.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE",
+        help="one of the task's own options (dataset.options), e.g. max_operand=9 for arith",
+    )  # fmt: skip
     p.add_argument(
         "--backend", help="inference server to start: embedded, sglang or vllm (default: "
         "--config's inference.backend, else embedded)",
@@ -252,16 +255,24 @@ def resolve_settings(args: argparse.Namespace) -> None:
     base = load_config(args.config) if args.config else None
     args.backend = args.backend or (base.inference.backend if base else "embedded")
     rollout = base.rollout if base else RolloutConfig()
-    args.dataset = base.dataset if base else DatasetConfig()
-    if args.max_operand is not None:
-        args.dataset = dataclasses.replace(args.dataset, max_operand=args.max_operand)
+    dataset = base.dataset if base else DatasetConfig()
     if base and not args.data and not args.task:
         args.task, args.data = base.dataset.type, base.dataset.path
     args.task = args.task or infer_task(args.data)
+    options = dict(dataset.options) if args.task == dataset.type else {}
+    for kv in args.option:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise ConfigError(f"--option {kv!r}: write KEY=VALUE, e.g. max_operand=9")
+        options[key.strip()] = yaml.safe_load(value)
     from areal.tasks import load_task
 
     if load_task(args.task).needs_path and not args.data:
         raise ConfigError(f"task {args.task!r} reads its problems from a file: pass --data")
+    # The task's options are checked here, against the task evaluated.
+    args.dataset = dataclasses.replace(
+        dataset, type=args.task, path=args.data or "", options=options
+    )
     sampling = {k: getattr(rollout, k) if base else v for k, v in DEFAULT_SAMPLING.items()}
     for key in sampling:
         if getattr(args, key) is not None:

@@ -83,10 +83,12 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
         m = cfg.model
         # Tasks without warm-up data (math, code) get the arith model: it knows digits and turns.
         warm = cfg.dataset.type if task.warmup is not None else "arith"
+        options = cfg.dataset.options if warm == cfg.dataset.type else {}
         name = (  # a task "pkg.mod:TASK" makes the directory tiny-pkg.mod_TASK-...
             f"tiny-{re.sub(r'[^0-9A-Za-z_.-]', '_', warm)}-h{m.tiny_hidden}-l{m.tiny_layers}"
-            f"{f'-a{m.tiny_heads}' if m.tiny_heads != 4 else ''}"
-            f"-w{m.tiny_warmup_steps}-m{cfg.dataset.max_operand}-s{cfg.seed}"
+            f"{f'-a{m.tiny_heads}' if m.tiny_heads != 4 else ''}-w{m.tiny_warmup_steps}"
+            + "".join(f"-{k}{v}" for k, v in sorted(options.items()))
+            + f"-s{cfg.seed}"
         )
         path = Path(cfg.fileroot) / "models" / name
         print(f"areal: using the tiny model {path}")
@@ -100,8 +102,8 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
                 layers=m.tiny_layers,
                 heads=m.tiny_heads,
                 warmup_steps=m.tiny_warmup_steps,
-                max_operand=cfg.dataset.max_operand,
                 task=warm,
+                options=options,
             )
         cfg.model.path = str(path)
     if not (Path(cfg.model.path) / "config.json").is_file():

@@ -110,7 +110,7 @@ def areal_overrides(model: Path | str, geo: Geometry, eta: int, dtype: str) -> l
         f"model.path={model}", f"model.dtype={dtype}", f"max_staleness={eta}",
         f"rollout.max_new_tokens={geo.new}", f"rollout.group_size={geo.group}",
         f"trainer.batch_size={geo.prompts}",
-        f"dataset.max_operand={MAX_OPERAND}", "ppo.n_minibatches=1", f"trainer.lr={LR}",
+        f"dataset.options.max_operand={MAX_OPERAND}", "ppo.n_minibatches=1", f"trainer.lr={LR}",
         "trainer.warmup_steps_ratio=0", "trainer.mb_spec.max_tokens_per_mb=8192",
     ]  # fmt: skip
 

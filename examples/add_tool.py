@@ -30,7 +30,7 @@ import random
 from collections.abc import Iterator
 
 from areal.tasks import Batch, ChatCall, Task
-from areal.tasks.arith import generate, is_correct, make_problems
+from areal.tasks.arith import ArithOptions, generate, is_correct, make_problems
 
 
 def add(a: int, b: int) -> int:
@@ -128,7 +128,7 @@ def warmup_episode(
 def warmup(dataset_cfg, seed: int) -> Iterator[Batch]:
     """Batches of 16 episodes, each with one framework's tool schema."""
     rng = random.Random(seed + 1)
-    pool = make_problems(4096, dataset_cfg.max_operand, seed + 1)
+    pool = make_problems(4096, TASK.options_of(dataset_cfg.options).max_operand, seed + 1)
     tools = list(TOOLS.values())
     for step in itertools.count():
         share = 1.0 if step < CALLS_ONLY_STEPS else TOOL_SHARE
@@ -138,4 +138,6 @@ def warmup(dataset_cfg, seed: int) -> Iterator[Batch]:
         ]
 
 
-TASK = Task(name="add_tool", generate=generate, is_correct=is_correct, warmup=warmup)
+TASK = Task(
+    name="add_tool", generate=generate, is_correct=is_correct, warmup=warmup, options=ArithOptions
+)

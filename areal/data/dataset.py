@@ -30,6 +30,7 @@ def load_rows(dataset_cfg: DatasetConfig, seed: int) -> list[dict]:
     """The rows of dataset.type's task, each tagged with it ("task")."""
     spec = dataset_cfg.type
     task = load_task(spec)
+    task.options_of(dataset_cfg.options)  # a task of the user's: its options checked here
     if task.needs_path:
         if not dataset_cfg.path:
             raise ConfigError(

@@ -15,7 +15,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from areal.config import DatasetConfig
-from areal.tasks import ChatCall, load_task
+from areal.tasks import Batch, ChatCall, load_task
 from areal.tasks.arith import make_problems
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -113,10 +113,15 @@ def build_tokenizer(seed: int = 0, texts: Sequence[str] = ()) -> PreTrainedToken
     return fast
 
 
-def episode_texts(task: str, max_operand: int, seed: int, n_batches: int = 8) -> list[str]:
+def _warmup_batches(task: str, options: dict | None, seed: int) -> Iterator[Batch]:
+    """The task's warm-up batches under its dataset.options (None: the task's defaults)."""
+    return load_task(task).warmup(DatasetConfig(type=task, options=options or {}), seed)
+
+
+def episode_texts(task: str, options: dict | None, seed: int, n_batches: int = 8) -> list[str]:
     """The whole conversations of the first warm-up batches' agent episodes, rendered by the
     chat template (none for a task of prompt/answer pairs)."""
-    batches = load_task(task).warmup(DatasetConfig(type=task, max_operand=max_operand), seed)
+    batches = _warmup_batches(task, options, seed)
     episodes = [item for _, batch in zip(range(n_batches), batches, strict=False) for item in batch]
     if not episodes or isinstance(episodes[0], tuple):
         return []
@@ -197,14 +202,14 @@ def _warm_up(
     tokenizer: PreTrainedTokenizerBase,
     steps: int,
     task: str,
-    max_operand: int,
+    options: dict | None,
     seed: int,
 ) -> None:
     """Supervised steps on the task's worked answers, so that RL starts from a model that
     knows the format, as the paper's runs start from a distilled model."""
     if steps <= 0:
         return
-    batches = load_task(task).warmup(DatasetConfig(type=task, max_operand=max_operand), seed)
+    batches = _warmup_batches(task, options, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     eos = tokenizer.eos_token_id
     model.train()
@@ -230,17 +235,18 @@ def build_tiny_model(
     layers: int = 2,
     heads: int = 4,
     warmup_steps: int = 200,
-    max_operand: int = 20,
     task: str = "arith",
+    options: dict | None = None,
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
-    """The tiny model and its tokenizer in memory (make_tiny_model writes them)."""
+    """The tiny model and its tokenizer in memory (make_tiny_model writes them), warmed up
+    on `task` (a dataset.type whose Task has warm-up data) under its dataset.options."""
     if load_task(task).warmup is None:
         raise ValueError(f"task {task!r} has no warm-up data (Task.warmup); use arith")
     torch.manual_seed(seed)
-    tokenizer = build_tokenizer(seed, episode_texts(task, max_operand, seed))
+    tokenizer = build_tokenizer(seed, episode_texts(task, options, seed))
     with torch.device("cpu"):
         model = Qwen2ForCausalLM(tiny_config(tokenizer, hidden, layers, heads))
-    _warm_up(model, tokenizer, warmup_steps, task, max_operand, seed)
+    _warm_up(model, tokenizer, warmup_steps, task, options, seed)
     return model, tokenizer
 
 
@@ -251,25 +257,23 @@ def make_tiny_model(
     layers: int = 2,
     heads: int = 4,
     warmup_steps: int = 200,
-    max_operand: int = 20,
     task: str = "arith",
+    options: dict | None = None,
 ) -> Path:
     """Write the tiny model directory (atomically: a half-written one never appears), warmed
-    up on `task` (a dataset.type whose Task has warm-up data)."""
+    up on `task` (a dataset.type whose Task has warm-up data) under its dataset.options."""
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
     hf_logging.disable_progress_bar()  # the launcher's console shows training, not file writes
-    model, tokenizer = build_tiny_model(
-        seed, hidden, layers, heads, warmup_steps, max_operand, task
-    )
+    model, tokenizer = build_tiny_model(seed, hidden, layers, heads, warmup_steps, task, options)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     (tmp / "areal_tiny.json").write_text(
         json.dumps(
-            {"seed": seed, "warmup_steps": warmup_steps, "max_operand": max_operand, "task": task}
+            {"seed": seed, "warmup_steps": warmup_steps, "task": task, "options": options or {}}
         )
     )
     try:

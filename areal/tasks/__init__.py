@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from areal import plugins
+from areal import config_loader, plugins
 from areal.config_loader import ConfigError
 from areal.plugins import SPEC
 
@@ -85,11 +85,26 @@ class Task:
     warmup: Callable[[Any, int], Iterator[Batch]] | None = None
     """(dataset_cfg, seed) -> supervised batches for the tiny model (None: no warm-up data;
     a run without model.path then gets the arith model)."""
+    options: type | None = None
+    """Its own options (dataset.options): a dataclass subclassing areal.config.Section, whose
+    fields are checked as the config's are (None: it takes none); `options_of` parses them."""
 
     def __post_init__(self) -> None:
         assert (self.generate is None) != (self.from_record is None), (
             f"task {self.name!r}: give exactly one of generate and from_record"
         )
+
+    def options_of(self, options: dict) -> Any:
+        """dataset.options as this task's options object (None if it takes none);
+        ConfigError naming the key for an unknown or mistyped option."""
+        if self.options is None:
+            if options:
+                raise ConfigError(
+                    f"dataset.options {sorted(options)}: task {self.name!r} takes no options; "
+                    "remove them (as an override: dataset.options={})"
+                )
+            return None
+        return config_loader.build(self.options, options, at="dataset.options.")
 
     @property
     def needs_path(self) -> bool:

@@ -10,11 +10,27 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
 
-from areal.config import DatasetConfig
+from areal.config import DatasetConfig, Section
 from areal.tasks import Batch, Task
 
 _LAST_INT = re.compile(r"-?\d+")
+
+
+@dataclass(kw_only=True)
+class ArithOptions(Section):
+    """dataset.options of the arith task."""
+
+    _section: ClassVar[str] = "dataset.options"
+
+    max_operand: int = 5
+    """Largest operand (sums of 0..5 are learnt by the tiny model in minutes)."""
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._positive("max_operand")
 
 
 def make_problems(n: int, max_operand: int, seed: int) -> list[dict]:
@@ -37,7 +53,7 @@ def warmup(dataset_cfg: DatasetConfig, seed: int) -> Iterator[Batch]:
     """Sums whose answer is replaced by a random number half of the time: the model learns
     the format and only part of the arithmetic."""
     rng = random.Random(seed + 1)
-    max_operand = dataset_cfg.max_operand
+    max_operand = TASK.options_of(dataset_cfg.options).max_operand
     pool = make_problems(4096, max_operand, seed + 1)
     while True:
         batch = []
@@ -48,7 +64,8 @@ def warmup(dataset_cfg: DatasetConfig, seed: int) -> Iterator[Batch]:
 
 
 def generate(dataset_cfg: DatasetConfig, seed: int) -> list[dict]:
-    return make_problems(dataset_cfg.n_problems, dataset_cfg.max_operand, seed)
+    max_operand = TASK.options_of(dataset_cfg.options).max_operand
+    return make_problems(dataset_cfg.n_problems, max_operand, seed)
 
 
 TASK = Task(
@@ -57,4 +74,5 @@ TASK = Task(
     is_correct=is_correct,
     grade_inline=True,
     warmup=warmup,
+    options=ArithOptions,
 )

@@ -103,7 +103,7 @@ def test_eval_through_vllm(tmp_path):
     reward service grades; nothing of the server is left afterwards."""
     from areal.models.tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", heads=2, warmup_steps=0, max_operand=5)
+    model = make_tiny_model(tmp_path / "model", heads=2, warmup_steps=0)
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "areal.eval", "--model", str(model), "--config", str(CONFIG)]
     cmd += ["--n-samples", "4", "--k", "1,4", "--max-problems", "6", "--output", str(out)]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _leaves(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and f"{prefix}{k}" != "dataset.options":  # a plugin's: one leaf
             out.update(_leaves(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
@@ -279,3 +280,22 @@ def test_a_kv_cache_budget_that_cannot_hold_one_request_is_refused():
         load_config(None, ["inference.max_total_tokens=100", "rollout.max_new_tokens=64"])
     cfg = load_config(None, ["inference.max_total_tokens=2048", "dataset.max_prompt_len=512"])
     assert cfg.inference.max_total_tokens == 2048
+
+
+def test_a_tasks_own_options_are_checked_as_the_configs_are() -> None:
+    cfg = load_config(None, ["dataset.options.max_operand=9"])
+    assert cfg.dataset.options == {"max_operand": 9}
+    assert load_config(None).dataset.options == {"max_operand": 5}  # the task's default
+    assert from_dict(to_dict(cfg)) == cfg
+    for overrides, expected in [
+        (["dataset.options.max_operan=3"], "did you mean 'dataset.options.max_operand'"),
+        (["dataset.options.max_operand=0"], "dataset.options.max_operand must be > 0"),
+        (["dataset.options.max_operand=x"], "dataset.options.max_operand expects an int"),
+        (["dataset.options=3"], "dataset.options expects a mapping"),
+        (
+            ["dataset.type=longtail", "dataset.options.max_operand=3"],
+            "task 'longtail' takes no options",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            load_config(None, overrides)

@@ -68,7 +68,7 @@ def make_backend(model_dir, **overrides) -> RecordingBackend:
         device="cpu",
     )
     kw.update(overrides)
-    return RecordingBackend(model_dir, **kw)
+    return RecordingBackend.from_dir(model_dir, **kw)
 
 
 def sequence_logprobs(model, seq: list[int], temperature: float = 1.0) -> torch.Tensor:
