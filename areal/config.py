@@ -244,6 +244,10 @@ class InferenceConfig(_Section):
     """Refuse to start SGLang or vLLM unless inference.python imports the supported version."""
     extra_args: list[str] = field(default_factory=list)
     """Extra command-line arguments of every SGLang or vLLM server, e.g. [--context-length, "32768"]."""  # noqa: E501
+    server_keepalive_s: float = 0.0
+    """Seconds a server keeps an idle HTTP connection open; 0 = its own (embedded 75, vLLM and
+    SGLang 5). Embedded and vLLM (whole seconds) only; for tests: clients drop idle
+    connections after 2 s and resend a request that met one the server had closed."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -252,7 +256,18 @@ class InferenceConfig(_Section):
             "max_batch_size", "startup_timeout_s", "tp_size",
             "update_timeout_s", "update_retries",
         )  # fmt: skip
-        self._non_negative("num_threads", "max_total_tokens")
+        self._non_negative("num_threads", "max_total_tokens", "server_keepalive_s")
+        if self.server_keepalive_s and self.backend == "sglang":
+            self._fail(
+                "server_keepalive_s",
+                "cannot be set for SGLang (its uvicorn keeps idle connections 5 s): remove it",
+            )
+        if self.backend == "vllm" and self.server_keepalive_s % 1:
+            self._fail(
+                "server_keepalive_s",
+                f"must be whole seconds for vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), got "
+                f"{self.server_keepalive_s!r}",
+            )
         if self.max_restarts < 0:
             self._fail("max_restarts", f"must be >= 0, got {self.max_restarts!r} (0 = never)")
         if not 0 < self.mem_fraction < 1:

@@ -78,6 +78,8 @@ def server_command(
         }
         if cfg.stats.events:
             args["--events-file"] = events_path(cfg.exp_dir, f"server{k}")
+        if inf.server_keepalive_s:
+            args["--keepalive-s"] = inf.server_keepalive_s
         # Weight loads only from the run's own directories: the checkpoints and versions
         # under the experiment directory, and the model it started from.
         roots = ["--weights-root", str(cfg.exp_dir), "--weights-root", str(cfg.model.path)]
@@ -127,6 +129,7 @@ def vllm_command(
         device=device,
         max_model_len=_context_length(model, cfg),
         weights_roots=[str(cfg.exp_dir), str(cfg.model.path)],
+        keepalive_s=int(inf.server_keepalive_s),
     )  # fmt: skip
     if device == "cpu":  # its share of the node's cores, as an embedded server's
         env["OMP_NUM_THREADS"] = str(role_threads(inf.num_threads))
