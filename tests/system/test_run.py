@@ -20,16 +20,11 @@ from areal.comm.registry import Registry
 from areal.comm.wire import seal, unpack
 from areal.config import load_config
 from areal.cores import ledger_path
-from tests.system.conftest import SHARED_MODELS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def train_cmd(tmp_path: Path, *overrides: str, config: Path | None = None) -> list[str]:
-    shared = os.environ.get(SHARED_MODELS_ENV)
-    if shared and not (tmp_path / "models").exists():  # the tiny models, made once a session
-        tmp_path.mkdir(parents=True, exist_ok=True)
-        (tmp_path / "models").symlink_to(shared, target_is_directory=True)
     return [
         sys.executable,
         "-m",
