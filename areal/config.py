@@ -75,7 +75,7 @@ class ModelConfig(_Section):
     _section: ClassVar[str] = "model"
 
     path: str = ""
-    """HF model directory; empty = make the tiny model under {fileroot}/models/."""
+    """HF model directory; empty = the tiny model, made once per machine under ~/.cache/areal/models/ ($AREAL_CACHE_DIR/models; under SLURM {fileroot}/models/)."""  # noqa: E501
     tiny_hidden: int = 64
     """Hidden size of the tiny model (used only when path is empty)."""
     tiny_layers: int = 2

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
+from areal.config import ConfigError
 from areal.cores import CoreMeter, node_cores
 
 CACHE_ENV = "AREAL_CACHE_DIR"
@@ -99,7 +100,13 @@ def tiny_model(
     path = (root or cache_dir()) / name
     if (path / "config.json").exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot make the tiny model's directory {path.parent} ({e}): set {CACHE_ENV} to a "
+            "writable directory, or model.path to a model"
+        ) from None
     with _locked(path.with_name(name + ".lock")):
         if (path / "config.json").exists():  # made by the run we waited for
             return path
@@ -108,7 +115,7 @@ def tiny_model(
         from areal.models.tiny import make_tiny_model  # torch: only to make one
 
         print(f"areal: making the tiny model {path} (once)", flush=True)
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         progress = WarmupProgress(warmup_steps)
         try:
             make_tiny_model(path, **params, on_step=progress.step)
@@ -116,7 +123,8 @@ def tiny_model(
             progress.close()
         print(
             f"areal: made the tiny model in {_duration(time.monotonic() - t0)} "
-            f"({warmup_steps} warm-up steps on {progress.mean_threads():.1f} threads)",
+            f"({warmup_steps} warm-up steps on {progress.mean_threads():.1f} threads, "
+            f"{time.process_time() - cpu0:.0f} CPU-seconds)",
             flush=True,
         )
     return path
@@ -180,7 +188,7 @@ class WarmupProgress:
             left = elapsed / done * (self.total - done)
             print(
                 f"areal: tiny model warm-up {done}/{self.total} steps, {_duration(elapsed)}, "
-                f"ETA {_duration(left)}, {self.threads} threads",
+                f"ETA {_duration(left)}, {self.threads} thread{'s' * (self.threads > 1)}",
                 flush=True,
             )
         if done >= self._next_line:
