@@ -107,7 +107,8 @@ class HttpClient:
         self, method: str, path: str, body: Any, ok_statuses: tuple[int, ...] = (200,)
     ) -> Any:
         """JSON (or text) of the answer; RuntimeError with the server's message otherwise,
-        ServerDied when the connection is refused, reset or closed before the answer."""
+        ServerDied when the connection is refused, reset or closed before the answer (on a
+        fresh connection: a reused one that fails before any answer is not the verdict)."""
         session = await self._get_session()
         try:
             status, raw = await self._send(session, method, path, body)

@@ -89,7 +89,7 @@ def test_a_tiny_run_on_vllm_learns_and_survives_a_killed_server(tmp_path):
     assert sum(m["train/fresh_tokens"] for m in metrics) > 0
     # Float32 noise between vLLM's CPU kernels and torch's on tiny_vllm's short answers:
     # about 1e-6 a step, 1.2e-4 seen once on a rare token (long answers, tiny_longtail's,
-    # would be a few 1e-5); a stale or unpacked tied LM head is off by 1e-2 to 0.4.
+    # reach a few 1e-5); a stale or unpacked tied LM head is off by 1e-2 to 0.4.
     gaps = sorted(m["train/fresh_logprob_diff_max"] for m in metrics if m["train/fresh_tokens"])
     assert gaps[len(gaps) // 2] < 1e-5 and gaps[-1] < 1e-3, gaps
     # The server came back on trained weights, no newer than the trainer's.
