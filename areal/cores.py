@@ -77,8 +77,9 @@ class CoreMeter:
     """The cores of this process's CPU set that other processes leave free, measured from
     /proc/stat over the time since the last call (since it was made, for the first). Where a
     process computes before any role has started (the tiny model's warm-up), it takes these
-    and no more: with another run on the node, a thread on a core that run keeps busy makes
-    every step wait for it (a 2-thread warm-up beside one took 15x as long as alone).
+    and no more: with other runs on the node, a thread on a core they keep busy makes every
+    step wait for it (a longtail warm-up step, load average 9 on 2 cores: 1.69 s on 2
+    threads, 0.25 s on 1).
     Without /proc/stat (not Linux) every core counts as free."""
 
     def __init__(self, stat: str = "/proc/stat") -> None:

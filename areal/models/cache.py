@@ -64,7 +64,7 @@ def cache_dir() -> Path:
 def model_key(params: dict, task_file: str | None) -> str:
     """sha256 of the parameters, the recipe's source and the libraries' versions."""
     h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
-    for rel in sorted({*RECIPE_FILES}):
+    for rel in sorted(RECIPE_FILES):
         h.update(rel.encode() + b"\0" + (_ROOT / rel).read_bytes())
     if task_file:
         h.update(b"task\0" + Path(task_file).read_bytes())
