@@ -77,7 +77,7 @@ class ModelConfig(Section):
     _section: ClassVar[str] = "model"
 
     path: str = ""
-    """HF model directory; empty = make the tiny model under {fileroot}/models/."""
+    """HF model directory; empty = the tiny model, made once per machine under ~/.cache/areal/models/ ($AREAL_CACHE_DIR/models; under SLURM {fileroot}/models/)."""  # noqa: E501
     tiny_hidden: int = 64
     """Hidden size of the tiny model (used only when path is empty)."""
     tiny_layers: int = 2
@@ -234,6 +234,10 @@ class InferenceConfig(Section):
     """Refuse to start SGLang or vLLM unless inference.python imports the supported version."""
     extra_args: list[str] = field(default_factory=list)
     """Extra command-line arguments of every SGLang or vLLM server, e.g. [--context-length, "32768"]."""  # noqa: E501
+    server_keepalive_s: float = 0.0
+    """Seconds a server keeps an idle HTTP connection open; 0 = its own (embedded 75, vLLM and
+    SGLang 5). Embedded and vLLM (whole seconds) only; for tests: clients drop idle
+    connections after 2 s and resend a request that met one the server had closed."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -244,7 +248,7 @@ class InferenceConfig(Section):
             "max_batch_size", "startup_timeout_s", "tp_size",
             "update_timeout_s", "update_retries",
         )  # fmt: skip
-        self._non_negative("num_threads", "max_total_tokens")
+        self._non_negative("num_threads", "max_total_tokens", "server_keepalive_s")
         if self.max_restarts < 0:
             self._fail("max_restarts", f"must be >= 0, got {self.max_restarts!r} (0 = never)")
         if not 0 < self.mem_fraction < 1:

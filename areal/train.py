@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -80,31 +79,26 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
     (exp / "logs").mkdir()
     create_key(exp)
     if not cfg.model.path:
+        from areal.models.cache import cache_dir, tiny_model  # made once, then cached
+
         m = cfg.model
         # Tasks without warm-up data (math, code) get the arith model: it knows digits and turns.
         warm = cfg.dataset.type if task.warmup is not None else "arith"
-        options = cfg.dataset.options if warm == cfg.dataset.type else {}
-        name = (  # a task "pkg.mod:TASK" makes the directory tiny-pkg.mod_TASK-...
-            f"tiny-{re.sub(r'[^0-9A-Za-z_.-]', '_', warm)}-h{m.tiny_hidden}-l{m.tiny_layers}"
-            f"{f'-a{m.tiny_heads}' if m.tiny_heads != 4 else ''}-w{m.tiny_warmup_steps}"
-            + "".join(f"-{k}{v}" for k, v in sorted(options.items()))
-            + f"-s{cfg.seed}"
+        path = tiny_model(
+            seed=cfg.seed,
+            hidden=m.tiny_hidden,
+            layers=m.tiny_layers,
+            heads=m.tiny_heads,
+            warmup_steps=m.tiny_warmup_steps,
+            task=warm,
+            options=cfg.dataset.options if warm == cfg.dataset.type else {},
+            # On a cluster every node must see it: the run's shared storage, not this node's
+            # cache.
+            root=cache_dir()
+            if cfg.launcher.type in ("local", "inline")
+            else Path(cfg.fileroot) / "models",
         )
-        path = Path(cfg.fileroot) / "models" / name
         print(f"areal: using the tiny model {path}")
-        if not (path / "config.json").exists():  # made once (torch: not imported otherwise)
-            from areal.models.tiny import make_tiny_model
-
-            make_tiny_model(
-                path,
-                seed=cfg.seed,
-                hidden=m.tiny_hidden,
-                layers=m.tiny_layers,
-                heads=m.tiny_heads,
-                warmup_steps=m.tiny_warmup_steps,
-                task=warm,
-                options=options,
-            )
         cfg.model.path = str(path)
     if not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(

@@ -1,6 +1,6 @@
 """Skips for tests that need hardware or installs this machine may lack (pyproject markers):
 `gpu` needs a CUDA device; `sglang` needs one too, and SGLang's supported version importable
-by $AREAL_SGLANG_PYTHON (default: this interpreter)."""
+by $AREAL_SGLANG_PYTHON (default: this interpreter). And a cache of the session's own."""
 
 from __future__ import annotations
 
@@ -40,6 +40,21 @@ def _no_sglang() -> str | None:
     python = os.environ.get("AREAL_SGLANG_PYTHON") or sys.executable
     problem = load_backend("sglang").version_problem(python)
     return f"needs SGLang (set AREAL_SGLANG_PYTHON): {problem}" if problem else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_tiny_models(tmp_path_factory):
+    """The session's cache of tiny models (areal/models/cache.py; runs inherit it): every run
+    of a config in the session shares its model, and no test touches the user's cache."""
+    from areal.models.cache import CACHE_ENV
+
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = before
 
 
 def pytest_collection_modifyitems(config, items):

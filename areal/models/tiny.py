@@ -15,7 +15,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -204,25 +204,30 @@ def _warm_up(
     task: str,
     options: dict | None,
     seed: int,
+    on_step: Callable[[int], None] | None = None,
 ) -> None:
     """Supervised steps on the task's worked answers, so that RL starts from a model that
-    knows the format, as the paper's runs start from a distilled model."""
+    knows the format, as the paper's runs start from a distilled model. on_step(i) runs
+    before step i (areal/models/cache.py: progress, threads)."""
     if steps <= 0:
         return
     batches = _warmup_batches(task, options, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     eos = tokenizer.eos_token_id
     model.train()
-    for _, batch in zip(range(steps), batches, strict=False):
+    for step, batch in zip(range(steps), batches, strict=False):
+        if on_step is not None:
+            on_step(step)
         pairs = [seq for item in batch for seq in _warmup_sequences(tokenizer, item)]
         width = max(len(ids) for ids, _ in pairs)
         ids = torch.tensor([s + [eos] * (width - len(s)) for s, _ in pairs])
         mask = torch.tensor([m + [0] * (width - len(m)) for _, m in pairs], dtype=torch.float32)
-        logits = model(input_ids=ids).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-        )
-        loss = (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+        # Logits only where the loss is: not over prompts, tool schemas and padding (an
+        # agent batch's vocabulary-wide logits everywhere took a fifth of its step).
+        hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]  # [B, T-1, H]
+        keep = mask[:, 1:] > 0
+        logits = model.lm_head(hidden[keep])  # [N, V]: the N answer tokens'
+        loss = torch.nn.functional.cross_entropy(logits, ids[:, 1:][keep])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -237,16 +242,18 @@ def build_tiny_model(
     warmup_steps: int = 200,
     task: str = "arith",
     options: dict | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     """The tiny model and its tokenizer in memory (make_tiny_model writes them), warmed up
-    on `task` (a dataset.type whose Task has warm-up data) under its dataset.options."""
+    on `task` (a dataset.type whose Task has warm-up data) under its dataset.options;
+    on_step(i) runs before warm-up step i (areal/models/cache.py: progress, threads)."""
     if load_task(task).warmup is None:
         raise ValueError(f"task {task!r} has no warm-up data (Task.warmup); use arith")
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(seed, episode_texts(task, options, seed))
     with torch.device("cpu"):
         model = Qwen2ForCausalLM(tiny_config(tokenizer, hidden, layers, heads))
-    _warm_up(model, tokenizer, warmup_steps, task, options, seed)
+    _warm_up(model, tokenizer, warmup_steps, task, options, seed, on_step)
     return model, tokenizer
 
 
@@ -259,14 +266,18 @@ def make_tiny_model(
     warmup_steps: int = 200,
     task: str = "arith",
     options: dict | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> Path:
-    """Write the tiny model directory (atomically: a half-written one never appears), warmed
-    up on `task` (a dataset.type whose Task has warm-up data) under its dataset.options."""
+    """Write the tiny model directory (atomically: a half-written one never appears): what
+    build_tiny_model makes. A run takes it from the machine's cache instead
+    (areal/models/cache.py), which calls this once."""
     out = Path(out_dir)
     if (out / "config.json").exists():
         return out
     hf_logging.disable_progress_bar()  # the launcher's console shows training, not file writes
-    model, tokenizer = build_tiny_model(seed, hidden, layers, heads, warmup_steps, task, options)
+    model, tokenizer = build_tiny_model(
+        seed, hidden, layers, heads, warmup_steps, task, options, on_step
+    )
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

@@ -6,12 +6,21 @@
 
 A session belongs to the event loop that made it: a client used from a new loop makes a new
 one. There is no connection limit: the staleness gate bounds how many requests are in flight.
+
+A closed idle connection is not a dead server. A server closes a connection that stayed idle
+for its keep-alive (uvicorn, under vLLM and SGLang: 5 s; the embedded server: 75 s unless
+configured), and a request sent on it just then fails at once (ServerDisconnectedError,
+or ClientOSError "Can not write request body") although the server is fine. So idle
+connections are kept for KEEPALIVE_S only, shorter than the servers', and a request that fails
+on a reused connection before any answer came is sent once more on a fresh connection; only
+a failure on a fresh connection raises ServerDied.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import time
 from typing import Any
@@ -22,7 +31,12 @@ from areal.rollout.auth import auth_header
 from areal.rollout.inference import ServerDied
 from areal.rollout.sglang_api import error_message
 
+log = logging.getLogger("areal.rollout")
+
 _HEALTH_POLL_S = 0.2
+KEEPALIVE_S = 2.0
+"""Seconds an idle connection is kept for the next request: under uvicorn's 5 s (vLLM,
+SGLang) by more than a scheduling hiccup, so the client drops it before the server does."""
 
 
 class HttpClient:
@@ -70,28 +84,44 @@ class HttpClient:
     async def _get_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                headers=auth_header(self.api_key),
-            )
+            self._session = self._new_session(keepalive=True)
             self._loop = loop
         return self._session
+
+    def _new_session(self, keepalive: bool) -> aiohttp.ClientSession:
+        """The client's session (keepalive: idle connections kept for KEEPALIVE_S, and
+        their reuse noted in a request's trace_request_ctx), or one whose connections
+        each serve one request."""
+        if keepalive:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        else:
+            connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+            headers=auth_header(self.api_key),
+            trace_configs=[_REUSE_TRACE] if keepalive else None,
+        )
 
     async def _call(
         self, method: str, path: str, body: Any, ok_statuses: tuple[int, ...] = (200,)
     ) -> Any:
         """JSON (or text) of the answer; RuntimeError with the server's message otherwise,
-        ServerDied when the connection is refused, reset or closed before the answer."""
+        ServerDied when the connection is refused, reset or closed before the answer (on a
+        fresh connection: a reused one that fails before any answer is not the verdict)."""
         session = await self._get_session()
         try:
-            async with session.request(method, self.base_url + path, json=body) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except aiohttp.ServerTimeoutError:
-            raise  # slow, not dead: an asyncio.TimeoutError for the caller
-        except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            raise ServerDied(self.base_url, f"{method} {path}", e) from e
+            status, raw = await self._send(session, method, path, body)
+        except _StaleConnection as stale:
+            # Sent on a connection the server had already closed: not an answer from the
+            # server, so once more on a connection of its own.
+            log.info("%s %s%s failed on a reused connection (%r); sending it again on a "
+                      "fresh one", method, self.base_url, path, stale.cause)  # fmt: skip
+            async with self._new_session(keepalive=False) as fresh:
+                try:
+                    status, raw = await self._send(fresh, method, path, body)
+                except _StaleConnection as e:  # not reused, so it cannot be stale
+                    raise ServerDied(self.base_url, f"{method} {path}", e.cause) from e.cause
         try:
             content: Any = json.loads(raw) if raw.strip() else None
         except ValueError:
@@ -101,3 +131,43 @@ class HttpClient:
                 f"{method} {self.base_url}{path} returned HTTP {status}: {error_message(content)}"
             )
         return content
+
+    async def _send(
+        self, session: aiohttp.ClientSession, method: str, path: str, body: Any
+    ) -> tuple[int, bytes]:
+        """(status, body) of one request; _StaleConnection when it failed on a reused
+        connection before an answer began, ServerDied on any other connection failure."""
+        trace = {"reused": False}
+        answered = False
+        try:
+            async with session.request(
+                method, self.base_url + path, json=body, trace_request_ctx=trace
+            ) as resp:
+                answered = True
+                return resp.status, await resp.read()
+        except aiohttp.ServerTimeoutError:
+            raise  # slow, not dead: an asyncio.TimeoutError for the caller
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if trace["reused"] and not answered and not isinstance(e, aiohttp.ClientConnectorError):
+                raise _StaleConnection(e) from e
+            raise ServerDied(self.base_url, f"{method} {path}", e) from e
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+            raise ServerDied(self.base_url, f"{method} {path}", e) from e
+
+
+class _StaleConnection(Exception):
+    """A request failed on a reused connection before any answer: the server had closed it."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause
+
+
+async def _note_reuse(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    if ctx.trace_request_ctx is not None:
+        ctx.trace_request_ctx["reused"] = True
+
+
+_REUSE_TRACE = aiohttp.TraceConfig()
+_REUSE_TRACE.on_connection_reuseconn.append(_note_reuse)
+_REUSE_TRACE.freeze()

@@ -16,7 +16,7 @@ until the model is loaded, which happens after the port is open.
     python -m areal.rollout.server --model DIR --port N [--host 127.0.0.1]
         [--max-batch-size 64] [--max-total-tokens 0] [--seed 0] [--num-threads 1]
         [--dtype float32] [--device auto] [--weight-version 0] [--api-key KEY]
-        [--weights-root DIR ...] [--events-file F]
+        [--weights-root DIR ...] [--events-file F] [--keepalive-s 75]
 
 With an API key (--api-key, or AREAL_API_KEY in the environment) every request but /health
 needs `Authorization: Bearer KEY` (areal/rollout/auth.py); without one the server is open,
@@ -249,7 +249,7 @@ def create_app(
 
 async def serve(args: argparse.Namespace) -> int:
     app = create_app(args.model, args.api_key, args.weights_root)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=args.keepalive_s)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     try:
@@ -347,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--events-file", help="record generate/pause/load spans here (areal/events.py)"
     )
+    parser.add_argument(
+        "--keepalive-s", type=float, default=75.0,
+        help="seconds an idle HTTP connection is kept open (aiohttp's default, 75)",
+    )  # fmt: skip
     parser.add_argument(
         "--api-key", default=os.environ.get(API_KEY_ENV) or None,
         help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV}; none = open)",

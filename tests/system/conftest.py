@@ -10,23 +10,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from areal.rollout.launch import start_embedded_server
 
 READY = "areal embedded server ready at {url}"
-SHARED_MODELS_ENV = "AREAL_TEST_SHARED_MODELS"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def shared_tiny_models(tmp_path_factory):
-    """One directory of tiny models for every run of the session (see test_run.train_cmd):
-    a run makes its model under {fileroot}/models/ once (~10 s), not once per test."""
-    os.environ[SHARED_MODELS_ENV] = str(tmp_path_factory.mktemp("tiny-models"))
-    yield
-    del os.environ[SHARED_MODELS_ENV]
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal.comm.rpc import RpcClient, RpcServer
 from areal.config import load_config
 from areal.controller.controller import Controller
+from areal.models.cache import tiny_model
 from areal.models.tiny import build_tokenizer, make_tiny_model
 from areal.rollout.client import SGLangClient
 from areal.rollout.worker import RolloutWorker
@@ -32,7 +33,7 @@ from areal.trajectory import Trajectory
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.api import RolloutEngine
 from areal.workflow.openai_api import chat_messages
-from tests.system.conftest import SHARED_MODELS_ENV, copy_weights, embedded_server, ref_logprobs
+from tests.system.conftest import copy_weights, embedded_server, ref_logprobs
 from tests.unit.test_tool_parsers import ADD as ADD_TOOL
 
 pytest.importorskip("openai")
@@ -56,9 +57,7 @@ def random_versions(tmp_path_factory) -> list[Path]:
 @pytest.fixture(scope="module")
 def warm_model() -> Path:
     """The tiny run's model (answers in digits, then ends its turn), shared with the runs."""
-    shared = Path(os.environ[SHARED_MODELS_ENV])
-    name = "tiny-arith-h64-l2-w200-max_operand5-s1"  # train.py's name for configs/tiny.yaml
-    return make_tiny_model(shared / name, seed=1, options={"max_operand": 5})
+    return tiny_model(seed=1, options={"max_operand": 5})  # the session's cache (conftest.py)
 
 
 def make_controller(agent, workers, tokenizer, *overrides: str) -> Controller:

@@ -163,7 +163,8 @@ def test_tiny_run_with_the_megatron_backend_learns(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(tmp_path / "tiny/meg")
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
-    # The published fp32 weights are the trainer's: fresh tokens' log-probs agree.
+    # The published fp32 weights are the trainer's: fresh tokens' log-probs agree (short
+    # answers in float32: about 1e-6; 1e-3 leaves room for a rare token).
     assert sum(m["train/fresh_tokens"] for m in metrics) > 0
     assert max(m["train/fresh_logprob_diff_max"] for m in metrics) < 1e-3
     rewards = [m["reward/mean"] for m in metrics]

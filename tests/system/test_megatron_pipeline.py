@@ -106,6 +106,7 @@ def test_a_run_with_two_pipeline_stages(tmp_path):
     metrics = read_metrics(tmp_path / "tiny/pp2")
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["grad_norm"] > 0 for m in metrics)
-    # The published weights are the trainer's: fresh tokens' log-probs agree.
+    # The published weights are the trainer's: fresh tokens' log-probs agree (short answers
+    # in float32: about 1e-6; 1e-3 leaves room for a rare token).
     assert max(m["train/fresh_logprob_diff_max"] for m in metrics) < 1e-3
     assert processes_mentioning(str(tmp_path)) == []

@@ -35,6 +35,7 @@ def test_grpo_with_dynamic_sampling_entropy_and_approximate_proximal(tmp_path):
     assert metrics[-1]["loss/kl_ref"] > 0
     assert all(m["loss/entropy"] > 0 for m in metrics)
     assert all("train/prox_approx_gap_max" in m for m in metrics)
+    # Short answers in float32: about 1e-6; 1e-3 leaves room for a rare token.
     assert max(m["train/fresh_logprob_diff_max"] for m in metrics) < 1e-3
     # Dynamic sampling: groups of equal rewards were generated, dropped, and none trained.
     assert sum(m["rollout/dropped_groups"] for m in metrics) > 0

@@ -1,7 +1,8 @@
 """A dead inference server: its samples resume elsewhere, it comes back, nothing is lost.
 
 The worker test drives the real rollout worker against real server processes and kills
-one mid-generation; the run test kills a server of a two-server run under the launcher.
+one mid-generation; the run test kills a server of a two-server run under the launcher. A
+server alive but closing idle connections quickly is never taken for a dead one.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tests.system.test_run import (
     launched,
     processes_mentioning,
     read_metrics,
+    run_train,
 )
 
 N_NEW = 200
@@ -171,3 +173,25 @@ def test_a_run_survives_a_killed_server_and_loses_no_prompt(tmp_path):
     trained = ckpt.version * cfg.trainer.batch_size
     assert taken == trained + len(state["buffer"]["groups"]) + len(state["retry"])
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
+
+
+def test_a_server_that_closes_idle_connections_is_never_down(tmp_path):
+    """A server that closes connections idle for 0.1 s (vLLM's and SGLang's uvicorn: 5 s)
+    loses nothing: a request that meets a connection it has just closed is sent again on a
+    fresh one, so no server is declared down and no sample is resubmitted. (Measured with a
+    client that took such a failure for a death: 6 "is down" and 712 resubmitted samples in
+    60 steps.)"""
+    steps = 60
+    proc = run_train(
+        tmp_path, f"total_train_steps={steps}", "trial_name=keepalive",
+        "inference.server_keepalive_s=0.1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exp_dir = tmp_path / "tiny/keepalive"
+    assert "--keepalive-s 0.1" in (exp_dir / "logs/server0.log").read_text().splitlines()[0]
+    metrics = read_metrics(exp_dir)
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    assert sum(m["rollout/resubmitted"] for m in metrics) == 0
+    assert all(m["rollout/servers_alive"] == 1 for m in metrics)
+    logs = "".join(p.read_text() for p in (exp_dir / "logs").glob("*.log"))
+    assert " is down" not in logs

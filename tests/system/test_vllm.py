@@ -222,3 +222,20 @@ def test_interrupted_generation_is_tagged_with_the_weights_of_each_token(server,
     # The reload changed the model (the tied head above all): v0's log-probs differ.
     ref_old = ref_logprobs(m0, prompt + first[0].output_ids, second[0].output_ids, T)
     assert (torch.tensor(second[0].logprobs) - ref_old).abs().max() > 1e-2
+
+
+def test_requests_after_idle_gaps_longer_than_the_keepalive_are_answered(server):
+    """vLLM's HTTP server (uvicorn) closes a connection idle for 5 s. Requests 5.5 s apart,
+    the client's loop busy meanwhile, so that it has not read the server's FIN when it sends
+    (a busy rollout worker): each is answered. A client that kept idle connections 15 s
+    (aiohttp's default) sent them on the closed connection and took that for a dead server
+    (ServerDied, and the rollout worker resubmitted every sample it had on it)."""
+
+    async def body(client):
+        outs = []
+        for _ in range(3):
+            outs.append(await client.generate([5, 6, 7], {"max_new_tokens": 1}))
+            time.sleep(5.5)
+        return outs + [await client.generate([5, 6, 7], {"max_new_tokens": 1})]
+
+    assert [len(o.output_ids) for o in _run(server, body)] == [1] * 4

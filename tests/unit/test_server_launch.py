@@ -68,11 +68,13 @@ def test_vllm_command_line_and_environment(tmp_path, monkeypatch):
     assert "s3cret" not in text and env["AREAL_API_KEY"] == "s3cret"
     assert env["AREAL_WEIGHTS_ROOTS"].split(":") == [str(cfg.exp_dir), str(model)]
     assert env["OMP_NUM_THREADS"] == "3" and env["AREAL_WEIGHT_VERSION"] == "0"
+    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" not in env  # vLLM's own 5 s
     # Longer than the model's positions: its own limit.
     cfg.dataset.max_prompt_len = 2000
-    assert "--max-model-len 1024" in shlex.join(
-        load_backend("vllm").command(cfg, 0, "h", 1, None)[0]
-    )
+    vllm = load_backend("vllm")
+    assert "--max-model-len 1024" in shlex.join(vllm.command(cfg, 0, "h", 1, None)[0])
+    cfg.inference.server_keepalive_s = 2.0
+    assert vllm.command(cfg, 0, "h", 1, None)[1]["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "2"
 
 
 def test_sglang_command_line():
@@ -117,6 +119,10 @@ def test_embedded_command_line_uses_this_interpreter():
     roots = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--weights-root"]
     assert roots == [str(cfg.exp_dir), "/m"]
     assert "--api-key" not in server_command(cfg, 1, "127.0.0.1", 4000, api_key="k")
+    assert "--keepalive-s" not in cmd  # aiohttp's own 75 s
+    cfg = load_config(None, ["model.path=/m", "inference.server_keepalive_s=0.5"])
+    cmd = server_command(cfg, 1, "127.0.0.1", 4000)
+    assert cmd[cmd.index("--keepalive-s") + 1] == "0.5"
 
 
 def test_sglang_gets_the_api_key_and_logs_never_show_it():
@@ -139,6 +145,14 @@ def test_sglang_gets_the_api_key_and_logs_never_show_it():
         (
             ["inference.backend=sglang", "inference.extra_args=['--port=1']"],
             "must not set --port",
+        ),
+        (
+            ["inference.backend=sglang", "inference.server_keepalive_s=1"],
+            "inference.server_keepalive_s cannot be set for SGLang",
+        ),
+        (
+            ["inference.backend=vllm", "inference.server_keepalive_s=0.5"],
+            "inference.server_keepalive_s must be whole seconds for vLLM",
         ),
     ],
 )

@@ -67,6 +67,8 @@ class Embedded(InferenceBackend):
         }
         if cfg.stats.events:
             args["--events-file"] = events_path(cfg.exp_dir, f"server{k}")
+        if inf.server_keepalive_s:
+            args["--keepalive-s"] = inf.server_keepalive_s
         roots = [x for root in weights_roots(cfg) for x in ("--weights-root", root)]
         argv = [inf.python or sys.executable, "-m", "areal.rollout.server", *flat(args), *roots]
         env = {**os.environ, API_KEY_ENV: api_key} if api_key else dict(os.environ)

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from areal.config_loader import ConfigError
 from areal.rollout.backends import InferenceBackend, check_owned_args, flat, start_weights
 from areal.rollout.backends import version_problem as interpreter_problem
 
@@ -41,6 +42,11 @@ class SGLang(InferenceBackend):
 
     def check(self, cfg: Any) -> None:
         check_owned_args(cfg.inference.extra_args, OWNED_ARGS)
+        if cfg.inference.server_keepalive_s:
+            raise ConfigError(
+                "inference.server_keepalive_s cannot be set for SGLang (its uvicorn keeps idle "
+                "connections 5 s): remove it"
+            )
 
     def client(self) -> ClientFactory:
         from areal.rollout.client import SGLangClient

@@ -26,6 +26,8 @@ What each piece is for:
 | VLLM_CPU_OMP_THREADS_BIND=0       | no core pinning on a shared machine                    |
 | HF_HUB_OFFLINE=1                  | a missing local path fails at once instead of asking   |
 |                                   | the Hub (and retrying) as if it were a repository id   |
+| VLLM_HTTP_TIMEOUT_KEEP_ALIVE      | keepalive_s, when given: how long uvicorn keeps an idle|
+|                                   | connection (its default 5 s)                           |
 """
 
 from __future__ import annotations
@@ -73,11 +75,13 @@ def vllm_server_command(
     max_model_len: int = 2048,
     kv_cache_gib: int = 1,
     weights_roots: list[str] | tuple[str, ...] = (),
+    keepalive_s: int = 0,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of a vLLM server for `model` on host:port, reporting weight version
     `version` until its first update. env is the whole environment (os.environ plus ours).
     With api_key, every route but /health and /metrics requires it; with weights_roots,
-    weights reload only from under those directories (the run's own)."""
+    weights reload only from under those directories (the run's own). keepalive_s: seconds
+    an idle connection stays open (0: vLLM's 5)."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     argv = [
@@ -113,6 +117,8 @@ def vllm_server_command(
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     if api_key:
         env["AREAL_API_KEY"] = api_key
+    if keepalive_s:
+        env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(int(keepalive_s))
     if weights_roots:
         env["AREAL_WEIGHTS_ROOTS"] = os.pathsep.join(str(r) for r in weights_roots)
     else:
@@ -148,6 +154,12 @@ class VLLM(InferenceBackend):
 
     def check(self, cfg: Any) -> None:
         check_owned_args(cfg.inference.extra_args, OWNED_ARGS)
+        keepalive = cfg.inference.server_keepalive_s
+        if keepalive % 1:
+            raise ConfigError(
+                "inference.server_keepalive_s must be whole seconds for vLLM "
+                f"(VLLM_HTTP_TIMEOUT_KEEP_ALIVE), got {keepalive!r}"
+            )
         head_dim = cfg.model.tiny_hidden // cfg.model.tiny_heads
         if not cfg.model.path and head_dim < 32:
             # vLLM's CPU attention kills the engine at the first request otherwise.
@@ -186,6 +198,7 @@ class VLLM(InferenceBackend):
             device=device,
             max_model_len=context_length(model, cfg),
             weights_roots=weights_roots(cfg),
+            keepalive_s=int(inf.server_keepalive_s),
         )  # fmt: skip
         if device == "cpu":  # its share of the node's cores, as an embedded server's
             from areal.cores import role_threads
