@@ -17,7 +17,7 @@ from areal.models.cache import CACHE_ENV, cache_dir, model_key, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PARAMS = {"seed": 1, "hidden": 64, "layers": 2, "heads": 4, "warmup_steps": 20,
-          "max_operand": 5, "task": "arith"}  # fmt: skip
+          "options": {"max_operand": 5}, "task": "arith"}  # fmt: skip
 
 
 def test_the_cache_is_per_machine_and_can_be_moved(monkeypatch, tmp_path):
