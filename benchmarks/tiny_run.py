@@ -11,8 +11,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-# The tiny models every benchmark run starts from, made once (a name says how it was made).
-MODELS = Path("/tmp/areal-benchmark-models")
 TINY = ROOT / "configs/tiny.yaml"
 
 
@@ -20,10 +18,7 @@ def train_tiny(
     fileroot: str, name: str, steps: int, overrides: list[str], config: Path = TINY
 ) -> list[dict]:
     """`python -m areal.train --config CONFIG ...`; returns its metrics lines. The tiny
-    model is made by the first run that needs it, into MODELS, and shared."""
-    MODELS.mkdir(exist_ok=True)
-    if not (Path(fileroot) / "models").exists():
-        (Path(fileroot) / "models").symlink_to(MODELS, target_is_directory=True)
+    model is made by the first run that needs it, once per machine (areal/models/cache.py)."""
     cmd = [
         sys.executable,
         "-m",
