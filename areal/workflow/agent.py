@@ -12,8 +12,9 @@ An episode that raises, returns garbage or makes more than rollout.max_turns cal
 whole group (which the staleness gate counts once): the controller rejects it and generates
 its row again; its calls still generating are aborted on the server. Counted per step:
 episodes that fell back from concat (`rollout/concat_fallbacks`), their returns and calls
-(`episode/return_mean`: undiscounted sum of the rewards, `episode/calls_mean`), agent
-processes started again after dying (`episode/agent_restarts`).
+(`episode/return_mean`: undiscounted sum of the rewards, `episode/calls_mean`), the tool
+calls the endpoint returned (`episode/tool_calls_mean`; `episode/tool_share`: episodes with
+at least one), agent processes started again after dying (`episode/agent_restarts`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class AgentWorkflow(Workflow):
         self._n_episodes = 0
         self._sum_return = 0.0
         self._sum_calls = 0
+        self._sum_tool_calls = 0
+        self._n_tool_episodes = 0
         self._fallbacks = 0
 
     async def _ready(self, engine: RolloutEngine) -> None:
@@ -146,6 +149,9 @@ class AgentWorkflow(Workflow):
             self._n_episodes += 1
             self._sum_return += sum(rewards)
             self._sum_calls += len(calls)
+            tool_calls = sum(c.tool_calls for c in calls)
+            self._sum_tool_calls += tool_calls
+            self._n_tool_episodes += tool_calls > 0
         return samples
 
     async def _episode(self, session: Session, data: dict) -> tuple[list[Call], list[float]]:
@@ -189,6 +195,8 @@ class AgentWorkflow(Workflow):
             "rollout/concat_fallbacks": float(self._fallbacks),
             "episode/return_mean": self._sum_return / n,
             "episode/calls_mean": self._sum_calls / n,
+            "episode/tool_calls_mean": self._sum_tool_calls / n,
+            "episode/tool_share": self._n_tool_episodes / n,
             "episode/count": float(self._n_episodes),
         }
         if self.hosts is not None:

@@ -15,6 +15,9 @@ README ("What the tiny tool model generalises to") runs them with configs/agent_
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 RIGHT_WITH_TOOL, RIGHT, WRONG = 5.0, 1.0, -5.0
 
 
@@ -22,3 +25,14 @@ def grade(final: str | None, answer: str, used_tool: bool) -> float:
     if final is None or final.strip() != answer:
         return WRONG
     return RIGHT_WITH_TOOL if used_tool else RIGHT
+
+
+def held_out() -> set[str]:
+    """Every string of these agents' modules (their instructions and tool docstrings among
+    them), read without importing their frameworks: the warm-up must draw none of them."""
+    strings = set()
+    for path in Path(__file__).parent.glob("*_adder.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.add(node.value)
+    return strings

@@ -19,7 +19,7 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "add",
-            "description": "Sum two numbers.",
+            "description": "Integer addition.",
             "parameters": {
                 "type": "object",
                 "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},

@@ -106,3 +106,5 @@ def test_a_documented_agent_runs_many_episodes_in_one_process(agent):
     samples = [s for group in groups for s in group]
     assert len(samples) == WAVES * GROUPS * GROUP_SIZE  # one concat sample per episode
     assert all(s.reward == RIGHT_WITH_TOOL for s in samples), [s.reward for s in samples]
+    stats = workflow.stats()
+    assert stats["episode/tool_share"] == 1.0 and stats["episode/tool_calls_mean"] == 1.0
