@@ -169,7 +169,7 @@ class RolloutConfig(Section):
     failure_window_s: float = 300.0
     """Seconds of rejected episodes without an accepted one that stop the run likewise (0 = never)."""  # noqa: E501
     agent_processes: int = 1
-    """Processes that run agents' run(data, client), one thread per episode, off the controller's loop (areal/workflow/agent_host.py); 0 = on the controller's loop."""  # noqa: E501
+    """Processes that run agents' run(data, client), off the controller's loop: each runs its async episodes on one event loop, plain-function agents on threads (areal/workflow/agent_host.py); 0 = on the controller's loop."""  # noqa: E501
     tool_parser: str = "qwen"
     """Agents' tool calls: how the model's text becomes OpenAI tool_calls, "qwen" (the tool_call tags of Qwen2/2.5/3 and Hermes) or your own "package.module:function" (areal/workflow/tool_parsers.py)."""  # noqa: E501
 

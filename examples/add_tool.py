@@ -3,7 +3,9 @@
     configs/agent_tools.yaml: dataset.type = "examples.add_tool:TASK"
         rows        arith's ("3+4=", "7"); each agent asks its row and grades itself (reward)
         warm-up     the tiny model learns to call add in Qwen's format, and to answer with
-                    the tool's result, on exactly the requests the frameworks send
+                    the tool's result, on exactly the requests the frameworks send, then
+                    on requests of other agents (tool_requests.py: their instructions,
+                    docstrings and argument names)
     examples/agents_sdk_add.py   OpenAI Agents SDK: Agent(tools=[add]), Runner.run
     examples/langchain_add.py    LangChain: ChatOpenAI(...).bind_tools([add])
 
@@ -20,6 +22,14 @@ learns last (abruptly, after ~300 steps; with fewer tool episodes per batch, muc
 the format comes first. The batches after it mix in direct answers: only TOOL_SHARE of their
 episodes call add, the others answer at once, and half of those answers are random numbers
 (as arith's warm-up). RL starts from a model that calls the tool about that often.
+
+Agents written by others send other requests: a system prompt (the SDK's `instructions`),
+their own docstring, other argument names. From batch EXAMPLES_ONLY_STEPS on, only
+EXAMPLES_SHARE of the episodes are the examples' requests; the others are drawn by
+tool_requests.py. Not earlier: the operands are copied by their position relative to the
+call, which a system prompt or a description (both before the user's turn) leaves as it is,
+and the model finds that position sooner on the examples' requests alone (with variety from
+the first batch it had not by batch 400 in three of four tries).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from collections.abc import Iterator
 
 from areal.tasks import Batch, ChatCall, Task
 from areal.tasks.arith import ArithOptions, generate, is_correct, make_problems
+from examples import tool_requests
 
 
 def add(a: int, b: int) -> int:
@@ -87,6 +98,11 @@ CALLS_ONLY_STEPS = 400
 """Warm-up batches in which every episode calls the tool (then answers with its result)."""
 TOOL_SHARE = 0.4
 """Warm-up episodes calling the tool after those; the others answer at once (half wrongly)."""
+EXAMPLES_ONLY_STEPS = 250
+"""Warm-up batches of the examples' exact requests only, before varied ones come in."""
+EXAMPLES_SHARE = 0.25
+"""Warm-up episodes that are the examples' exact requests after those; the others vary
+(tool_requests.py: system prompts, descriptions, argument names)."""
 
 
 def reward(final: str | None, answer: str, used_tool: bool) -> float:
@@ -97,22 +113,34 @@ def reward(final: str | None, answer: str, used_tool: bool) -> float:
     return RIGHT_WITH_TOOL if used_tool else RIGHT_WITHOUT_TOOL
 
 
-def tool_call_text(a: int, b: int) -> str:
-    """How a Qwen-family model calls add (its chat template asks for exactly this)."""
-    call = {"name": "add", "arguments": {"a": a, "b": b}}
+def tool_call_text(a: int, b: int, tool: dict | None = None) -> str:
+    """How a Qwen-family model calls `tool` (add, unless given) on a and b: its name and
+    argument names copied from the schema (the chat template asks for exactly this)."""
+    fn = (tool or TOOLS["langchain"])["function"]
+    first, second = fn["parameters"]["properties"]
+    call = {"name": fn["name"], "arguments": {first: a, second: b}}
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
 def warmup_episode(
-    prompt: str, answer: str, tool: dict, rng: random.Random, tool_share: float
+    prompt: str,
+    answer: str,
+    tool: dict,
+    rng: random.Random,
+    tool_share: float,
+    system: str | None = None,
 ) -> list[ChatCall]:
-    """The calls of one warm-up episode, in the frameworks' wire shapes."""
-    user = {"role": "user", "content": prompt}
+    """The calls of one warm-up episode, in the frameworks' wire shapes (`system`: the
+    agent's instructions, sent first)."""
+    opening = [{"role": "system", "content": system}] if system is not None else []
+    opening.append({"role": "user", "content": prompt})
     if rng.random() >= tool_share:  # answer at once, right half of the time
         guess = answer if rng.random() < 0.5 else str(rng.randint(0, 2 * int(answer) + 1))
-        return [ChatCall(messages=[user], tools=[tool], response=guess)]
+        return [ChatCall(messages=opening, tools=[tool], response=guess)]
     a, b = (int(x) for x in prompt.rstrip("=").split("+"))
-    function = {"name": "add", "arguments": json.dumps({"a": a, "b": b})}
+    text = tool_call_text(a, b, tool)
+    function = json.loads(text.split("\n")[1])
+    function["arguments"] = json.dumps(function["arguments"])
     called = {
         "role": "assistant",
         "content": None,
@@ -120,22 +148,27 @@ def warmup_episode(
     }
     result = {"role": "tool", "tool_call_id": "call_0", "content": str(add(a, b))}
     return [
-        ChatCall(messages=[user], tools=[tool], response=tool_call_text(a, b)),
-        ChatCall(messages=[user, called, result], tools=[tool], response=answer),
+        ChatCall(messages=opening, tools=[tool], response=text),
+        ChatCall(messages=[*opening, called, result], tools=[tool], response=answer),
     ]
 
 
 def warmup(dataset_cfg, seed: int) -> Iterator[Batch]:
-    """Batches of 16 episodes, each with one framework's tool schema."""
+    """Batches of 16 episodes: EXAMPLES_SHARE of them the examples' own requests (one
+    framework's schema of add, no system prompt), the others varied (tool_requests.py)."""
     rng = random.Random(seed + 1)
     pool = make_problems(4096, TASK.options_of(dataset_cfg.options).max_operand, seed + 1)
     tools = list(TOOLS.values())
     for step in itertools.count():
         share = 1.0 if step < CALLS_ONLY_STEPS else TOOL_SHARE
-        yield [
-            warmup_episode(p["prompt"], p["answer"], rng.choice(tools), rng, share)
-            for p in rng.sample(pool, 16)
-        ]
+        batch = []
+        for p in rng.sample(pool, 16):
+            if step < EXAMPLES_ONLY_STEPS or rng.random() < EXAMPLES_SHARE:
+                system, tool = None, rng.choice(tools)
+            else:
+                system, tool = tool_requests.request(rng)
+            batch.append(warmup_episode(p["prompt"], p["answer"], tool, rng, share, system))
+        yield batch
 
 
 TASK = Task(

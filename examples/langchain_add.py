@@ -33,7 +33,6 @@ async def run(data: dict, client) -> float:
         base_url=str(client.base_url),
         api_key=client.api_key,
         max_retries=0,  # a retried call would be a second recorded call
-        timeout=client.timeout,
     ).bind_tools([add])
     messages = [HumanMessage(data["prompt"])]
     used_tool = False

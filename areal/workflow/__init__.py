@@ -4,8 +4,9 @@
     - a subclass of `Workflow` (made without arguments) or an instance of one:
       `async arun_episode(engine, data) -> list[Trajectory] | None`, token in, token out,
       with optional `stats()` and `async aclose()` hooks (api.py);
-    - an agent, `async def run(data, client) -> float | dict[str, float]`, run against an
-      OpenAI-compatible endpoint that records the tokens of every call (agent.py).
+    - an agent, `async def run(data, client) -> float | dict[str, float]` (or a plain `def`,
+      run on a thread), run against an OpenAI-compatible endpoint that records the tokens
+      of every call (agent.py).
 
 single_turn.py is the default: today's math / code / arith path.
 """
@@ -36,12 +37,12 @@ def load_workflow(spec: str, rollout_cfg: RolloutConfig | None = None) -> Workfl
         return obj()
     if isinstance(obj, Workflow):
         return obj
-    if inspect.iscoroutinefunction(obj):
+    if inspect.iscoroutinefunction(obj) or inspect.isfunction(obj):
         from areal.workflow.agent import AgentWorkflow
 
         return AgentWorkflow(obj, rollout_cfg)
     raise ValueError(
         f"rollout.workflow={spec!r} names {obj!r:.80}, which is neither a workflow (a subclass "
         "of areal.workflow.Workflow with async arun_episode(engine, data), or an instance of "
-        "one) nor an agent (async def run(data, client))"
+        "one) nor an agent (async def run(data, client), or a plain def run(data, client))"
     )

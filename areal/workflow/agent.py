@@ -1,4 +1,4 @@
-"""Agents: `async run(data, client) -> float | dict[str, float]` as a workflow.
+"""Agents: `[async] def run(data, client) -> float | dict[str, float]` as a workflow.
 
     admitted row --> G sessions of the endpoint --> G concurrent run(row, client_g),
                      in the agent processes (agent_host.py; rollout.agent_processes)
@@ -6,14 +6,15 @@
     rewards returned --> per-call rewards --> returns (rollout.turn_discount)
         --> samples (rollout.sample_mode: individual, or concat with a fallback)
 
-`client` is an `openai.AsyncOpenAI` whose API key is the episode's session token: the agent
-imports nothing of ours. An episode that raises, returns garbage or makes more than
-rollout.max_turns calls fails its whole group (which the staleness gate counts once): the
-controller rejects it and generates its row again; its calls still generating are
-aborted on the server. Counted per step: episodes that fell back from concat
-(`rollout/concat_fallbacks`), their returns and calls (`episode/return_mean`: undiscounted
-sum of the rewards, `episode/calls_mean`), agent processes started again after dying
-(`episode/agent_restarts`).
+`client` is an `openai.AsyncOpenAI` (an `openai.OpenAI` for a plain `def run`, which runs on
+a thread) whose API key is the episode's session token: the agent imports nothing of ours.
+An episode that raises, returns garbage or makes more than rollout.max_turns calls fails its
+whole group (which the staleness gate counts once): the controller rejects it and generates
+its row again; its calls still generating are aborted on the server. Counted per step:
+episodes that fell back from concat (`rollout/concat_fallbacks`), their returns and calls
+(`episode/return_mean`: undiscounted sum of the rewards, `episode/calls_mean`), the tool
+calls the endpoint returned (`episode/tool_calls_mean`; `episode/tool_share`: episodes with
+at least one), agent processes started again after dying (`episode/agent_restarts`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from areal.config import RolloutConfig
 from areal.trajectory import Trajectory
-from areal.workflow.agent_host import AgentHosts
+from areal.workflow.agent_host import AgentHosts, AgentRunner
 from areal.workflow.api import EpisodeError, RolloutEngine, Workflow
 from areal.workflow.openai_endpoint import OpenAIEndpoint, Session
 from areal.workflow.samples import (
@@ -41,8 +42,8 @@ from areal.workflow.tool_parsers import load_tool_parser
 log = logging.getLogger("areal.workflow")
 
 
-AgentRun = Callable[[dict, Any], Awaitable[float | dict[str, float]]]
-"""`async def run(data, client) -> reward(s)`: an agent, as the user writes it."""
+AgentRun = Callable[[dict, Any], Awaitable[float | dict[str, float]] | float | dict[str, float]]
+"""`[async] def run(data, client) -> reward(s)`: an agent, as the user writes it."""
 
 
 def agent_spec(run: AgentRun) -> str:
@@ -71,7 +72,8 @@ class AgentWorkflow(Workflow):
         self.endpoint: OpenAIEndpoint | None = None
         self.hosts: AgentHosts | None = None
         """The agent processes (rollout.agent_processes > 0), started with the endpoint."""
-        self._client = None
+        self._runner: AgentRunner | None = None
+        """rollout.agent_processes=0: the agent on the controller's loop."""
         self._starting: asyncio.Task | None = None
         self._warned_fallback = False
         self._reset_counts()
@@ -80,6 +82,8 @@ class AgentWorkflow(Workflow):
         self._n_episodes = 0
         self._sum_return = 0.0
         self._sum_calls = 0
+        self._sum_tool_calls = 0
+        self._n_tool_episodes = 0
         self._fallbacks = 0
 
     async def _ready(self, engine: RolloutEngine) -> None:
@@ -95,10 +99,10 @@ class AgentWorkflow(Workflow):
 
     async def _start(self, engine: RolloutEngine) -> None:
         try:
-            import openai
+            import openai  # noqa: F401
         except ImportError as e:
             raise RuntimeError(
-                "an agent workflow hands its agent an openai.AsyncOpenAI client: pip install openai"
+                "an agent workflow hands its agent an openai client: pip install openai"
             ) from e
         model = Path(str(getattr(engine.tokenizer, "name_or_path", "") or "model")).name
         endpoint = OpenAIEndpoint(
@@ -118,13 +122,7 @@ class AgentWorkflow(Workflow):
             return
         for name in ("httpx", "httpx2"):  # one INFO line per call otherwise
             logging.getLogger(name).setLevel(logging.WARNING)
-        # No retries: a retried call would be a second recorded call, or hide an error.
-        self._client = openai.AsyncOpenAI(
-            base_url=endpoint.base_url,
-            api_key="-",
-            max_retries=0,
-            timeout=self.cfg.episode_timeout_s,
-        )
+        self._runner = AgentRunner(self.run, endpoint.base_url, self.cfg.episode_timeout_s)
 
     async def arun_episode(self, engine: RolloutEngine, data: dict) -> list[Trajectory]:
         await self._ready(engine)
@@ -151,6 +149,9 @@ class AgentWorkflow(Workflow):
             self._n_episodes += 1
             self._sum_return += sum(rewards)
             self._sum_calls += len(calls)
+            tool_calls = sum(c.tool_calls for c in calls)
+            self._sum_tool_calls += tool_calls
+            self._n_tool_episodes += tool_calls > 0
         return samples
 
     async def _episode(self, session: Session, data: dict) -> tuple[list[Call], list[float]]:
@@ -159,8 +160,7 @@ class AgentWorkflow(Workflow):
             if self.hosts is not None:
                 result = await self.hosts.run(dict(data), session.token)
             else:
-                client = self._client.with_options(api_key=session.token)
-                result = await self.run(dict(data), client)
+                result = await self._runner(dict(data), session.token)
         except Exception as e:
             if session.overrun:
                 raise EpisodeError(session.overrun) from e
@@ -195,6 +195,8 @@ class AgentWorkflow(Workflow):
             "rollout/concat_fallbacks": float(self._fallbacks),
             "episode/return_mean": self._sum_return / n,
             "episode/calls_mean": self._sum_calls / n,
+            "episode/tool_calls_mean": self._sum_tool_calls / n,
+            "episode/tool_share": self._n_tool_episodes / n,
             "episode/count": float(self._n_episodes),
         }
         if self.hosts is not None:
@@ -208,7 +210,7 @@ class AgentWorkflow(Workflow):
             self._starting.cancel()
         if self.hosts is not None:
             await self.hosts.close()
-        if self._client is not None:
-            await self._client.close()
+        if self._runner is not None:
+            await self._runner.aclose()
         if self.endpoint is not None:
             await self.endpoint.close()

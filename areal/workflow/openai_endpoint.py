@@ -212,6 +212,7 @@ class OpenAIEndpoint:
             return web.json_response(shaped)
         # Only the response is shaped by the parse; the recorded call keeps the engine's tokens.
         calls = parse_tool_calls(text, tools, self.tool_parser)
+        call.tool_calls = len(calls.tool_calls) if calls is not None else 0
         return web.json_response(
             chat_completion(call.id, self.model, text, finish, n_in, n_out, calls)
         )

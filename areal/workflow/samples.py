@@ -29,6 +29,8 @@ class Call:
     """The id the agent saw (ChatCompletion.id): per-call rewards are keyed by it."""
     traj: Trajectory
     """prompt_ids = the input ids, output ids, log-probs and versions of the call."""
+    tool_calls: int = 0
+    """Tool calls the endpoint returned for it (parsed from the model's text)."""
 
 
 def call_rewards(result: object, calls: Sequence[Call]) -> list[float]:

@@ -164,3 +164,55 @@ def test_bad_arguments_and_endless_calls_end_the_episode_not_the_run(tokenizer, 
     call = add_tool.tool_call_text(3, 4)
     samples, inputs = play(run, tokenizer, [call] * 3, max_turns=3)
     assert len(inputs) == 3 and [s.reward for s in samples] == [add_tool.WRONG]
+
+
+def test_varied_requests_keep_the_held_out_prompts_unseen_and_their_calls_append(tokenizer):
+    """The warm-up's varied requests (tool_requests.py): none is an instruction or docstring
+    of tests/documented_agents (which measure generalisation), every tool episode calls the
+    schema's function with the schema's argument names and is one concat sequence."""
+    from examples import tool_requests
+    from tests.documented_agents import held_out
+
+    rng = random.Random(0)
+    seen_systems, seen_docs, kinds = set(), set(), set()
+    for _ in range(3000):
+        system, tool = tool_requests.request(rng)
+        seen_systems.add(system)
+        seen_docs.add(tool["function"]["description"])
+        kinds.add((system is None, len(system or "") > 150))
+    held = held_out()
+    assert not (seen_systems | seen_docs) & held
+    assert kinds == {(True, False), (False, False), (False, True)}  # none, short, long
+    for _ in range(20):
+        system, tool = tool_requests.request(rng)
+        episode = add_tool.warmup_episode("3+4=", "7", tool, rng, 1.0, system)
+        fn = tool["function"]
+        first, second = fn["parameters"]["properties"]
+        call = episode[0].response
+        assert f'"name": "{fn["name"]}"' in call and f'"{first}": 3, "{second}": 4' in call
+        assert len(_warmup_sequences(tokenizer, episode)) == 1
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_varied_tools_are_the_schemas_the_frameworks_send(framework):
+    """tool_requests.tool writes a function's schema as the framework does."""
+    from examples import tool_requests
+
+    load_agent(framework)  # skips where the framework is not installed
+
+    def add(x: int, y: int) -> int:
+        """Sum two numbers."""
+        return x + y
+
+    if framework == "agents_sdk":
+        from agents import function_tool
+        from agents.models.chatcmpl_converter import Converter
+
+        sent = Converter.tool_to_openai(function_tool(add))
+    else:
+        from langchain_core.tools import tool
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        sent = convert_to_openai_tool(tool(add))
+    rng = random.Random(0)  # no argument docs drawn
+    assert tool_requests.tool(rng, framework, "add", ("x", "y"), "Sum two numbers.") == sent

@@ -161,6 +161,10 @@ declined = _Decline()
 not_async = print
 
 
+def plain_agent(data, client):
+    return 1.0
+
+
 def test_load_workflow_takes_workflows_and_agent_functions_and_refuses_the_rest():
     from examples.multi_turn_arith import run
 
@@ -168,6 +172,8 @@ def test_load_workflow_takes_workflows_and_agent_functions_and_refuses_the_rest(
     assert load_workflow(f"{__name__}:declined") is declined
     agent = load_workflow("examples.multi_turn_arith:run", RolloutConfig(max_turns=3))
     assert isinstance(agent, AgentWorkflow) and agent.run is run and agent.cfg.max_turns == 3
+    # A plain function is an agent too (run on a thread, with a synchronous client).
+    assert load_workflow(f"{__name__}:plain_agent").run is plain_agent
     # The hooks' defaults come with the interface.
     assert declined.stats() == {} and asyncio.run(declined.aclose()) is None
     for name in ("_OnlyEpisode", "only_episode", "not_async"):
