@@ -99,7 +99,7 @@ class AgentWorkflow(Workflow):
 
     async def _start(self, engine: RolloutEngine) -> None:
         try:
-            import openai  # noqa: F401
+            import openai  # noqa: F401  (AgentRunner and the agent processes use it)
         except ImportError as e:
             raise RuntimeError(
                 "an agent workflow hands its agent an openai client: pip install openai"

@@ -45,3 +45,28 @@ def test_a_tool_agent_calls_add_and_trains(tmp_path, example):
     # written): one sequence per episode, nearly always.
     assert sum(m["rollout/concat_fallbacks"] for m in metrics) <= 0.1 * episodes
     assert processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_langchain_agent_with_every_default_runs_a_whole_run(tmp_path):
+    """tests/documented_agents/langchain_adder.py: ChatOpenAI(model, base_url, api_key) with
+    no timeout, whose async HTTP client LangChain caches per base_url for the whole process,
+    with instructions and a docstring of its own. Every episode of the agent process shares
+    one event loop, so the cached client serves them all: no episode is rejected."""
+    pytest.importorskip("langchain_openai")
+    proc = run_train(
+        tmp_path,
+        f"total_train_steps={STEPS}",
+        "trial_name=documented",
+        "rollout.workflow=tests.documented_agents.langchain_adder:run",
+        "model.tiny_warmup_steps=150",
+        "trainer.batch_size=4",
+        config=ROOT / "configs/agent_tools.yaml",
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "agent_tools/documented")
+    assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
+    assert sum(m["rollout/episodes_rejected"] + m["rollout/episodes_timeout"] for m in metrics) == 0
+    assert sum(m["episode/count"] for m in metrics) >= STEPS * 4 * 8  # batch_size x group_size
+    assert processes_mentioning(str(tmp_path)) == []
