@@ -1,18 +1,18 @@
 """The tiny models, made once per machine: a cache keyed by everything that makes one.
 
-    train.py --tiny_model(params)--> CACHE/tiny-longtail-h64-l2-w1500-m5-s1-<key>/
+    train.py --tiny_model(params)--> CACHE/tiny-longtail-h64-l2-w1500-s1-<key>/   
                                        there: returned at once (nothing imported)
                                        missing: lock; warm up (progress bar, free cores);
                                                 write NAME.tmpPID/; rename; unlock
 
 CACHE is $AREAL_CACHE_DIR/models, else $XDG_CACHE_HOME/areal/models, else
-~/.cache/areal/models: one per machine, not per fileroot, so every run of a config after
-the first starts at once. The key hashes the model's parameters (task, sizes, warm-up
-steps, the task's options, seed), the source of the files that make it (RECIPE_FILES and the task's
-own module) and the versions of torch, transformers and tokenizers: a changed warm-up makes
-a new model, never reuses a stale one. The directory appears by rename, whole or not at all,
-and is made under a lock (NAME.lock): a second run that wants the same model meanwhile waits
-for the first instead of making it again beside it.
+~/.cache/areal/models: one per machine, not per fileroot, so every run of a config after the
+first starts at once. The key hashes the model's parameters (task, sizes, warm-up steps, the
+task's options, seed), the source of the files that make it (RECIPE_FILES, the task's own
+module and the modules beside it) and the versions of torch, transformers and tokenizers: a
+changed warm-up makes a new model, never reuses a stale one. The directory appears by
+rename, whole or not at all, and is made under a lock (NAME.lock): a second run that wants
+the same model meanwhile waits for the first instead of making it again beside it.
 
 | waits for                      | unblocked by                                         |
 |--------------------------------|------------------------------------------------------|
@@ -47,7 +47,7 @@ RECIPE_FILES = (
 )  # fmt: skip
 """The files (under areal/) whose code makes a tiny model: the model, tokenizer and warm-up
 loop; the task seam; arith, whose sums train every tokenizer; the chat rendering of agent
-episodes. With the task's own module they are hashed into the key."""
+episodes. With the task's own module (and those beside it) they are hashed into the key."""
 _LIBRARIES = ("torch", "transformers", "tokenizers")
 ADAPT_S = 2.0
 """Seconds between two measurements of the free cores (and changes of the threads)."""
@@ -66,8 +66,9 @@ def model_key(params: dict, task_file: str | None) -> str:
     h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
     for rel in sorted(RECIPE_FILES):
         h.update(rel.encode() + b"\0" + (_ROOT / rel).read_bytes())
-    if task_file:
-        h.update(b"task\0" + Path(task_file).read_bytes())
+    if task_file:  # its module and the modules beside it (the warm-up data it imports)
+        for path in sorted(Path(task_file).parent.glob("*.py")):
+            h.update(b"task\0" + path.name.encode() + b"\0" + path.read_bytes())
     for lib in _LIBRARIES:
         with contextlib.suppress(metadata.PackageNotFoundError):
             h.update(f"{lib}=={metadata.version(lib)}".encode())

@@ -39,7 +39,9 @@ def test_the_key_covers_parameters_and_the_recipe(monkeypatch, tmp_path):
     task.write_text("x = 1\n")
     with_task = model_key(PARAMS, str(task))
     task.write_text("x = 2\n")
-    assert len({key, with_task, model_key(PARAMS, str(task))}) == 3
+    changed_task = model_key(PARAMS, str(task))
+    (tmp_path / "warmup_data.py").write_text("PROMPTS = []\n")  # a module the task imports
+    assert len({key, with_task, changed_task, model_key(PARAMS, str(task))}) == 4
     copy = tmp_path / "areal"
     for rel in cache.RECIPE_FILES:
         (copy / rel).parent.mkdir(parents=True, exist_ok=True)
