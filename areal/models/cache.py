@@ -1,6 +1,6 @@
 """The tiny models, made once per machine: a cache keyed by everything that makes one.
 
-    train.py --tiny_model(params)--> CACHE/tiny-longtail-h64-l2-w1500-s1-<key>/   
+    train.py --tiny_model(params)--> CACHE/tiny-longtail-h64-l2-w1500-s1-<key>/
                                        there: returned at once (nothing imported)
                                        missing: lock; warm up (progress bar, free cores);
                                                 write NAME.tmpPID/; rename; unlock

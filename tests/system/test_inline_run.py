@@ -10,7 +10,6 @@ from pathlib import Path
 from areal.checkpoint import latest
 from areal.train import main as train_main
 from areal.trainer import ppo
-from tests.system.conftest import SHARED_MODELS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, ETA = 4, 1
@@ -31,9 +30,6 @@ def _children() -> list[int]:
 
 
 def test_an_inline_run_trains_in_this_process_within_the_staleness_bound(tmp_path, monkeypatch):
-    shared = os.environ.get(SHARED_MODELS_ENV)
-    if shared:  # the session's tiny models (tests/system/conftest.py)
-        (tmp_path / "models").symlink_to(shared, target_is_directory=True)
     calls: list[tuple[str, list[int]]] = []
     real_loss = ppo.policy_loss
 
