@@ -1,0 +1,72 @@
+"""The Ray actor that runs one step of a plan (areal/launcher/ray.py) on the node and GPUs of
+the step's bundle: `python -m areal.worker ...` as its child, the same process the local and
+SLURM launchers start. Every node imports this module: it imports nothing heavy.
+
+    launcher --run(cmd, env, log)--> RoleActor (Ray worker) --Popen--> areal.worker
+             <-- exit code ------------'        the child: own process group, SIGKILLed when
+             --signal(sig)--> its group         the actor dies (PR_SET_PDEATHSIG)
+
+The actor is async, so `signal` is served while `run` waits, and every Popen happens on its
+one event-loop thread (PR_SET_PDEATHSIG fires when the forking thread ends, not the process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+
+from areal.process import die_with_parent
+
+RAY_OWN_ENV = ("OMP_NUM_THREADS",)
+"""What Ray sets for its worker from the bundle's CPUs (1 for a token share), not the role's:
+a role sets its threads itself (areal/cores.py), as under the other launchers."""
+
+
+class RoleActor:
+    def __init__(self) -> None:
+        self.popen: subprocess.Popen | None = None
+
+    async def where(self) -> dict:
+        """The node and GPUs Ray placed this actor on, and the interpreter it runs."""
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "python": sys.executable,
+        }
+
+    async def free_port(self) -> int:
+        """A port free on every interface of this node now (trainer rank 0's MASTER_PORT)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    async def run(self, cmd: list[str], env: dict[str, str], log: str, append: bool) -> int:
+        """Run the step to its end; returns its exit code (-N: killed by signal N)."""
+        base = {k: v for k, v in os.environ.items() if k not in RAY_OWN_ENV}
+        with open(log, "a" if append else "w") as f:
+            self.popen = subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # stopping the step stops its children too
+                preexec_fn=die_with_parent,
+                env={**base, **env},
+            )
+        while (rc := self.popen.poll()) is None:
+            await asyncio.sleep(0.1)
+        return rc
+
+    async def signal(self, sig: int) -> None:
+        """Send `sig` to the step's process group (a no-op once it is gone)."""
+        if self.popen is not None:
+            try:
+                os.killpg(self.popen.pid, sig)
+            except ProcessLookupError:
+                pass
