@@ -252,29 +252,43 @@ def nodes_plan(cfg: ExperimentConfig, nodes: list[RayNode], gpus: int) -> Plan:
 
 def plan_on_ray(cfg: ExperimentConfig) -> tuple[Plan, list[RayNode] | None]:
     """The plan of `cfg` on the cluster at launcher.ray_address, and its nodes. A dry run
-    with launcher.nodes set and no cluster reachable plans for that many nodes instead."""
+    with launcher.nodes set plans for that many nodes of launcher.gpus_per_node GPUs when no
+    cluster is reachable or the one reached is smaller (planning a cluster before making it)."""
     lc = cfg.launcher
+    offline = lc.dry_run and lc.nodes is not None
     try:
         connect(lc.ray_address)
-    except ConfigError:
-        if not (lc.dry_run and lc.nodes is not None):
-            raise
-        print(f"areal: no Ray cluster at {lc.ray_address!r}: planning for {lc.nodes} nodes")
-        return make_plan(cfg, [f"node{i}" for i in range(lc.nodes)], lc.gpus_per_node or 0), None
-    gpus = lc.gpus_per_node
-    if gpus is None:  # every GPU the nodes have; 0 on a CPU cluster
-        gpus = max((n.gpus for n in cluster_nodes()), default=0)
-    try:
+        gpus = lc.gpus_per_node
+        if gpus is None:  # every GPU the nodes have; 0 on a CPU cluster
+            gpus = max((n.gpus for n in cluster_nodes()), default=0)
         nodes = wait_for_nodes(cfg, gpus, [], {}, wait=not lc.dry_run)
-    except PlacementError as e:
-        raise ConfigError(str(e)) from None
+    except (ConfigError, PlacementError) as e:
+        if not offline:
+            raise ConfigError(str(e)) from None
+        print(f"areal: {e}\nareal: planning for {lc.nodes} nodes instead")
+        return make_plan(cfg, [f"node{i}" for i in range(lc.nodes)], lc.gpus_per_node or 0), None
     return nodes_plan(cfg, nodes, gpus), nodes
 
 
 def describe(plan: Plan, nodes: list[RayNode] | None) -> str:
     ids = {n.name: n.node_id for n in nodes or []}
     cpus = min((n.cpus for n in nodes), default=None) if nodes else None
-    return f"{plan.describe()}\n{placement(plan, ids, cpus).describe()}"
+    text = f"{plan.describe()}\n{placement(plan, ids, cpus).describe()}"
+    if nodes is None and plan.gpus_per_node:
+        text += "; on a cluster a GPU bundle also holds (node CPUs - 1) // GPUs CPUs per GPU"
+    return text
+
+
+def ray_reason(e: BaseException) -> str:
+    """Why Ray says an actor died, in one line: its node was lost (the raylet stopped, the
+    pod went away: "Socket closed", "node ... died"), Ray's memory monitor killed it
+    ("running low on memory"), or someone killed it."""
+    text = str(e)
+    for line in text.splitlines():
+        if "low on memory" in line or "OOM" in line:
+            return f"{type(e).__name__}: killed by Ray's memory monitor: {line.strip()[:200]}"
+    first = " ".join(text.split())[:300]
+    return f"{type(e).__name__}: {first}"
 
 
 class RayRole:
@@ -293,11 +307,8 @@ class RayRole:
             self.rc = ray.get(self.ref)
         except ray.exceptions.RayTaskError as e:  # run() raised: the step could not start
             self.failed, self.rc = str(e.cause), 1
-        except ray.exceptions.RayError as e:  # the actor died: its node, or someone, killed it
-            self.lost = (
-                f"its Ray actor died with node {self.node} ({type(e).__name__}: the node's "
-                "raylet stopped, the node or pod went away, or the actor was killed)"
-            )
+        except ray.exceptions.RayError as e:  # the actor died, and the step with it
+            self.lost = f"its Ray actor on node {self.node} died ({ray_reason(e)})"
             self.rc = -9
 
     def poll(self) -> int | None:
@@ -394,11 +405,21 @@ class RayLauncher(Launcher):
                 runtime_env=runtime_env,
             ).remote()
         names = list(self.actors)
-        infos = ray.get(
-            [self.actors[n].where.remote() for n in names],  # type: ignore[attr-defined]
-            timeout=lc.ray_node_wait_s,
-        )
+        try:
+            infos = ray.get(
+                [self.actors[n].where.remote(str(self.exp_dir)) for n in names],  # type: ignore[attr-defined]
+                timeout=lc.ray_node_wait_s,
+            )
+        except ray.exceptions.RayError as e:  # an actor that cannot start (its runtime env)
+            raise PlacementError(f"Ray could not start the steps' actors: {e}") from None
         self.where = dict(zip(names, infos, strict=True))
+        blind = sorted({s.node for s in self.plan.steps if not self.where[s.name]["sees_exp_dir"]})
+        if blind:
+            raise PlacementError(
+                f"node(s) {', '.join(blind)} do not see the experiment directory {self.exp_dir}: "
+                "set fileroot to storage every node mounts at the same path (NFS, a "
+                "ReadWriteMany volume); the roles find each other through its registry"
+            )
         self.master_port = self._free_port()
 
     def _free_port(self) -> int:

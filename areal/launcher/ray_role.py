@@ -29,8 +29,9 @@ class RoleActor:
     def __init__(self) -> None:
         self.popen: subprocess.Popen | None = None
 
-    async def where(self) -> dict:
-        """The node and GPUs Ray placed this actor on, and the interpreter it runs."""
+    async def where(self, exp_dir: str) -> dict:
+        """The node and GPUs Ray placed this actor on, the interpreter it runs, and whether
+        the experiment directory is there (shared storage)."""
         import ray
 
         return {
@@ -38,6 +39,7 @@ class RoleActor:
             "ip": ray.util.get_node_ip_address(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "python": sys.executable,
+            "sees_exp_dir": os.path.isfile(os.path.join(exp_dir, "config.yaml")),
         }
 
     async def free_port(self) -> int:

@@ -101,7 +101,14 @@ class RayTestCluster:
         with open(log, "w") as f:
             proc = subprocess.Popen(
                 cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+                # Ray's memory monitor off: on a machine shared with other work it kills
+                # actors for memory that others use (a real cluster keeps it: a role it
+                # kills is a dead role, recovered).
+                env={
+                    **os.environ,
+                    "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_memory_monitor_refresh_ms": "0",
+                },
             )  # fmt: skip
         node = Node(name, proc, log)
         self.nodes.append(node)
@@ -150,13 +157,13 @@ class RayTestCluster:
         os.kill(node.raylet, signal.SIGKILL)
 
     def processes(self) -> list[int]:
-        """Every process of the cluster: the `ray start`s and all they started."""
+        """Every running process of the cluster: the `ray start`s and all they started."""
         pids = []
         for node in self.nodes:
             if node.proc.poll() is None:
                 pids.append(node.proc.pid)
             pids += descendants(node.proc.pid)
-        return pids
+        return [p for p in pids if _running(p)]
 
     def actor_processes(self) -> list[str]:
         """Ray workers of the cluster that run an actor or a task now (not the idle ones)."""
