@@ -6,7 +6,7 @@ from pathlib import Path
 
 from areal.config import load_config
 from areal.launcher.plan import make_plan
-from areal.launcher.ray import (
+from areal.launcher.ray_plan import (
     NODE_LABEL,
     TOKEN_CPU,
     RayNode,
