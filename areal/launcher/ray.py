@@ -361,7 +361,8 @@ class RayLauncher(Launcher):
         self, step: Step, cmd: list[str], env: dict[str, str], log: Path, append: bool
     ) -> RayRole:
         actor = self.actors[step.name]
-        ref = actor.run.remote(cmd, env, str(log), append)  # type: ignore[attr-defined]
+        nice = os.getpriority(os.PRIO_PROCESS, 0)  # the roles run as nice as the launcher
+        ref = actor.run.remote(cmd, env, str(log), append, nice)  # type: ignore[attr-defined]
         return RayRole(actor, ref, step.node)
 
     def start_failure(self, p: Proc) -> str | None:
