@@ -645,8 +645,15 @@ class LauncherConfig(Section):
     _section: ClassVar[str] = "launcher"
 
     type: str = "local"
-    """Where roles run: local processes, slurm jobs, or inline: every role in one Python
-    process, to step through with a debugger (areal/inline.py; embedded engine, one rank)."""
+    """Where roles run: local processes, slurm jobs, ray (actors on a running Ray cluster), or
+    inline: every role in one Python process, to step through with a debugger
+    (areal/inline.py; embedded engine, one rank)."""
+    ray_address: str = "auto"
+    """launcher.type=ray: the cluster to join (ray.init's address: auto = the one this node
+    belongs to or $RAY_ADDRESS; or host:port of its head, or ray://host:10001)."""
+    ray_node_wait_s: float = 300.0
+    """launcher.type=ray: seconds to wait for enough nodes and for the placement group, at the
+    start and after a node is lost (while KubeRay or the autoscaler replaces it)."""
     log_tail_lines: int = 30
     """Log lines of a dead role shown in the error."""
     dead_role_poll_s: float = 0.5
@@ -654,9 +661,10 @@ class LauncherConfig(Section):
     inference_fraction: float = 0.75
     """Share of the GPUs (or, without GPUs, of the nodes) that runs inference; the rest trains."""
     nodes: int | None = None
-    """SLURM nodes to use; null = the whole allocation (required with dry_run outside one)."""
+    """SLURM (or Ray) nodes to use; null = the whole allocation, or every Ray node with
+    gpus_per_node GPUs (required with dry_run outside an allocation or a Ray cluster)."""
     gpus_per_node: int | None = None
-    """GPUs to use on each node; null = all the allocation gives (SLURM_GPUS_ON_NODE), 0 = CPU only. With one server's GPUs in all (1 GPU, inference.tp_size=1) the server and the trainer share them."""  # noqa: E501
+    """GPUs to use on each node; null = all the allocation gives (SLURM_GPUS_ON_NODE; on Ray the most a node has), 0 = CPU only. With one server's GPUs in all (1 GPU, inference.tp_size=1) the server and the trainer share them."""  # noqa: E501
     dry_run: bool = False
     """Print the placement plan (which node runs which role on which GPUs) and start nothing."""
     srun_args: list[str] = field(default_factory=list)
@@ -667,9 +675,9 @@ class LauncherConfig(Section):
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._one_of("type", ("local", "slurm", "inline"))
+        self._one_of("type", ("local", "slurm", "ray", "inline"))
         self._non_negative("log_tail_lines")
-        self._positive("dead_role_poll_s")
+        self._positive("dead_role_poll_s", "ray_node_wait_s")
         if not 0 < self.inference_fraction < 1:
             self._fail(
                 "inference_fraction",

@@ -2,7 +2,8 @@
 
 1) load and validate the config (fast: nothing heavy is imported before this)
 2) prepare the experiment directory: key, config snapshot, logs, the model
-3) start every role (locally, or as srun steps inside a SLURM allocation) and wait;
+3) start every role (locally, as srun steps inside a SLURM allocation, or as Ray actors on a
+   Ray cluster) and wait;
    when a role dies, the launcher calls `prepare_recovery` and starts them all again
 """
 
@@ -20,6 +21,7 @@ from areal.config import ConfigError, ExperimentConfig, load_config, save_config
 if TYPE_CHECKING:
     from areal.checkpoint import Checkpoint
     from areal.launcher.plan import Plan
+    from areal.launcher.ray import RayNode
     from areal.launcher.slurm import Allocation
 
 
@@ -120,14 +122,18 @@ def prepare_recovery(cfg: ExperimentConfig, n: int) -> None:
     prepare_experiment(cfg)
 
 
-def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | None]:
-    """The placement of `cfg` (and, under SLURM, the allocation); sets rollout.n_servers and
-    trainer.parallel.dp to what it placed."""
+def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | list[RayNode] | None]:
+    """The placement of `cfg` (and where: the SLURM allocation, or the Ray nodes); sets
+    rollout.n_servers and trainer.parallel.dp to what it placed."""
     alloc = None
     if cfg.launcher.type in ("local", "inline"):  # inline: one process, as local plans it
         from areal.launcher.local import LocalLauncher
 
         plan = LocalLauncher(cfg).plan
+    elif cfg.launcher.type == "ray":
+        from areal.launcher.ray import plan_on_ray
+
+        plan, alloc = plan_on_ray(cfg)
     else:
         from areal.launcher.plan import make_plan
         from areal.launcher.slurm import current_allocation, in_allocation, plan_in_allocation
@@ -201,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         check_loggers_installed(cfg)
         plan, alloc = plan_run(cfg)
         if cfg.launcher.dry_run:
-            print(f"areal: dry run ({cfg.launcher.type}); placement plan:\n{plan.describe()}")
+            described = plan.describe()
+            if cfg.launcher.type == "ray":
+                from areal.launcher.ray import describe
+
+                described = describe(plan, alloc)  # type: ignore[arg-type]
+            print(f"areal: dry run ({cfg.launcher.type}); placement plan:\n{described}")
             return 0
         ckpt = prepare_experiment(cfg)
     except ConfigError as e:
@@ -216,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         from areal.inline import run_inline
 
         return run_inline(cfg, ckpt)
+    if cfg.launcher.type == "ray":
+        from areal.launcher.ray import RayLauncher
+
+        print(f"areal: Ray cluster at {cfg.launcher.ray_address}", flush=True)
+        return RayLauncher(cfg, plan, alloc).run(  # type: ignore[arg-type]
+            resume=lambda n: prepare_recovery(cfg, n)
+        )
     if alloc is None:
         from areal.launcher.local import LocalLauncher
 

@@ -1,10 +1,12 @@
 """What every launcher shares: start each step of a plan, watch exit codes, stop them all.
 
-    launcher --start(step)--> role process (a subprocess, or the srun that runs it on a node)
+    launcher --start(step)--> role process (a subprocess, the srun that runs it on a node, or
+                              the Ray actor that runs it on its node)
              <-- exit codes (polled every launcher.dead_role_poll_s), metrics.jsonl (tailed)
 
 A launcher differs only in `command` (how a step's command line is run: directly, or
-wrapped in srun). The run succeeds when every trainer rank exits 0 (after the last
+wrapped in srun) and, for Ray, in `spawn` (what starts it) and `begin_attempt` (placing the
+plan before each attempt). The run succeeds when every trainer rank exits 0 (after the last
 checkpoint); the other roles are services, stopped then. A dead inference server is
 restarted in its place, up to inference.max_restarts times (its rollout worker routes
 around it meanwhile and reloads the latest weights into it). Any other death (a trainer
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from areal.config import ExperimentConfig
 from areal.controller.failures import NO_PROGRESS_EXIT, REPORT_MARK
@@ -37,10 +39,51 @@ from areal.loggers import MetricSink, make_loggers
 from areal.process import RESTARTS_ENV, die_with_parent
 
 
+class RoleProcess(Protocol):
+    """What a launcher started for one step: the role's process and its children."""
+
+    lost: str | None
+    """Why the step ended without an exit code of its own (its node was lost), if it did."""
+
+    def poll(self) -> int | None:
+        """The exit code, or None while the role runs."""
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the role and its children (a no-op once they are gone)."""
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` seconds (None: until it ends); True when it has ended."""
+
+
+class PopenRole:
+    """A step run as a child of the launcher, in its own process group."""
+
+    lost = None
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float | None) -> bool:
+        try:
+            self.popen.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
 @dataclass
 class Proc:
     step: Step
-    popen: subprocess.Popen
+    handle: RoleProcess
     log: Path
     restarts: int = 0
 
@@ -105,8 +148,11 @@ class Launcher(abc.ABC):
     def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
         """The command line that runs `cmd` for `step`, and its extra environment."""
 
-    def exit_reason(self, rc: int) -> str:
-        return exit_reason(rc)
+    def exit_reason(self, p: Proc, rc: int) -> str:
+        return f"was lost: {p.handle.lost}" if p.handle.lost else exit_reason(rc)
+
+    def begin_attempt(self) -> None:  # noqa: B027 (a hook: most launchers place nothing)
+        """Before the steps of each attempt (the first and each recovery) start."""
 
     def start_failure(self, p: Proc) -> str | None:
         """Why step p could never start (a restart would fail the same way), if so."""
@@ -115,7 +161,15 @@ class Launcher(abc.ABC):
     def start(self, step: Step, restarts: int = 0) -> Proc:
         log = self.log_dir / f"{step.name}.log"
         cmd, env = self.command(step, worker_command(self.exp_dir, step))
-        with open(log, "a" if restarts else "w") as f:  # a restart keeps the earlier log
+        env = {"PYTHONUNBUFFERED": "1", RESTARTS_ENV: str(self.recoveries), **step.env, **env}
+        # A restart keeps the earlier log.
+        return Proc(step, self.spawn(step, cmd, env, log, append=bool(restarts)), log, restarts)
+
+    def spawn(
+        self, step: Step, cmd: list[str], env: dict[str, str], log: Path, append: bool
+    ) -> RoleProcess:
+        """Start `cmd` (with the launcher's environment plus `env`) writing to `log`."""
+        with open(log, "a" if append else "w") as f:
             popen = subprocess.Popen(
                 cmd,
                 stdout=f,
@@ -124,51 +178,34 @@ class Launcher(abc.ABC):
                 # Its own process group: stopping a step stops its children (grading pools).
                 start_new_session=True,
                 preexec_fn=die_with_parent,
-                env={
-                    **os.environ,
-                    "PYTHONUNBUFFERED": "1",
-                    RESTARTS_ENV: str(self.recoveries),
-                    **step.env,
-                    **env,
-                },  # fmt: skip
+                env={**os.environ, **env},
             )
-        return Proc(step, popen, log, restarts)
+        return PopenRole(popen)
 
     def restart_server(self, i: int, rc: int) -> None:
         p = self.procs[i]
         print(
-            f"\nareal: role {p.name} {self.exit_reason(rc)}; restarting it "
+            f"\nareal: role {p.name} {self.exit_reason(p, rc)}; restarting it "
             f"({p.restarts + 1}/{self.cfg.inference.max_restarts}). Last lines of {p.log}:\n"
             f"{tail(p.log, self.cfg.launcher.log_tail_lines)}",
             file=sys.stderr,
             flush=True,
         )
-        try:  # what the dead server left in its group (vLLM's engine processes) goes too
-            os.killpg(p.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # What the dead server left in its group (vLLM's engine processes) goes too.
+        p.handle.signal(signal.SIGKILL)
         self.procs[i] = self.start(p.step, p.restarts + 1)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         for p in self.procs:
-            if p.popen.poll() is None:
-                try:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            if p.handle.poll() is None:
+                p.handle.signal(signal.SIGTERM)
         deadline = time.time() + grace_s
         for p in self.procs:
-            try:
-                p.popen.wait(max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
+            p.handle.wait(max(0.0, deadline - time.time()))
         for p in self.procs:
             # The group too: a role's own children (grading pools) must not outlive it.
-            try:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.popen.wait()
+            p.handle.signal(signal.SIGKILL)
+            p.handle.wait(None)
 
     def run(self, resume: Callable[[int], None] | None = None) -> int:
         """Start all steps, show progress, stop everything; returns the exit code.
@@ -178,6 +215,7 @@ class Launcher(abc.ABC):
         progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps, sink)
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
+            self.begin_attempt()
             self.procs = [self.start(step) for step in self.plan.steps]
             while True:
                 progress.poll()
@@ -205,10 +243,11 @@ class Launcher(abc.ABC):
                     self.stop_all()
                     resume(self.recoveries)
                     progress.rewind()
+                    self.begin_attempt()
                     self.procs = [self.start(step) for step in self.plan.steps]
                     continue
                 trainers = [p for p in self.procs if p.step.role == "trainer"]
-                if all(p.popen.poll() == 0 for p in trainers):
+                if all(p.handle.poll() == 0 for p in trainers):
                     progress.poll()
                     progress.close()
                     print(f"areal: run finished; metrics in {self.exp_dir / 'metrics.jsonl'}")
@@ -229,13 +268,14 @@ class Launcher(abc.ABC):
     def _dead_role(self) -> tuple[Proc, int] | None:
         """A role whose exit ends this attempt (a server is restarted in place instead)."""
         for i, p in enumerate(self.procs):
-            rc = p.popen.poll()
+            rc = p.handle.poll()
             if rc is None or (rc == 0 and p.step.role == "trainer"):
                 continue
             restartable = self.start_failure(p) is None
             if (
                 p.step.role == "server"
                 and restartable
+                and p.handle.lost is None  # a server whose node is gone cannot restart there
                 and p.restarts < self.cfg.inference.max_restarts
             ):
                 self.restart_server(i, rc)
@@ -245,7 +285,7 @@ class Launcher(abc.ABC):
 
     def _report(self, p: Proc, rc: int, what: str) -> None:
         print(
-            f"\nareal: role {p.name} {self.exit_reason(rc)}; {what}. "
+            f"\nareal: role {p.name} {self.exit_reason(p, rc)}; {what}. "
             f"Last lines of {p.log}:\n{tail(p.log, self.cfg.launcher.log_tail_lines)}",
             file=sys.stderr,
             flush=True,

@@ -127,7 +127,7 @@ class SlurmLauncher(Launcher):
         super().__init__(cfg, plan)
         self.alloc = alloc
 
-    def exit_reason(self, rc: int) -> str:
+    def exit_reason(self, p: Proc, rc: int) -> str:
         # srun reports a task killed by signal N as exit code 128 + N.
         try:
             name = signal.Signals(rc - 128).name if rc > 128 else None
@@ -135,7 +135,7 @@ class SlurmLauncher(Launcher):
             name = None
         if name:
             return f"was killed by {name} (srun exit code {rc})"
-        return super().exit_reason(rc)
+        return super().exit_reason(p, rc)
 
     def start_failure(self, p: Proc) -> str | None:
         try:
