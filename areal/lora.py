@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-ADAPTER_CONFIG = "adapter_config.json"
+from areal.weights import ADAPTER_CONFIG, is_adapter_dir
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ALL_LINEAR = "all-linear"
 """target_modules entry: every nn.Linear of the decoder layers (not the LM head)."""
@@ -158,11 +159,6 @@ def save_adapter(
     }
     save_file(adapter_tensors(model), out / ADAPTER_WEIGHTS)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-
-
-def is_adapter_dir(path: str | Path) -> bool:
-    """Whether path is an adapter directory (save_adapter's), not a whole model."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
 def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -11,9 +11,11 @@ one. There is no connection limit: the staleness gate bounds how many requests a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -101,3 +103,45 @@ class HttpClient:
                 f"{method} {self.base_url}{path} returned HTTP {status}: {error_message(content)}"
             )
         return content
+
+
+class AdapterGate:
+    """The LoRA adapter a client's requests name, swapped without a request naming a name
+    the server no longer serves, or running on an adapter older than its version's tag.
+
+    A request names its adapter when the server receives it (even while generation is
+    paused); so while a swap runs, new requests wait (`sending`), and the swap first aborts
+    until every request sent under the old name has answered (`drain`): the worker resumes
+    those under the new name, once it is registered."""
+
+    def __init__(self) -> None:
+        self.adapter: str | None = None
+        """The adapter's served name (None: the base model)."""
+        self._open = asyncio.Event()
+        self._open.set()
+        self._sending = 0
+
+    @contextlib.asynccontextmanager
+    async def sending(self) -> AsyncIterator[str | None]:
+        """Around one request: waits for a swap to end; yields the adapter to name."""
+        await self._open.wait()
+        self._sending += 1
+        try:
+            yield self.adapter
+        finally:
+            self._sending -= 1
+
+    @contextlib.asynccontextmanager
+    async def swapping(self) -> AsyncIterator[None]:
+        """Around a swap: requests wait until it ends (failed or not)."""
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+
+    async def drain(self, abort_all: Callable[[], Awaitable[Any]]) -> None:
+        """Inside swapping(): abort until no request sent before it is left on the server."""
+        while self._sending:
+            await abort_all()
+            await asyncio.sleep(0.02)

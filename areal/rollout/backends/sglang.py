@@ -43,9 +43,9 @@ class SGLang(InferenceBackend):
         check_owned_args(cfg.inference.extra_args, OWNED_ARGS)
 
     def client(self) -> ClientFactory:
-        from areal.rollout.client import SGLangClient
+        from areal.rollout.client import SGLangServerClient
 
-        return SGLangClient
+        return SGLangServerClient
 
     def command(
         self, cfg: Any, k: int, host: str, port: int, api_key: str | None
@@ -63,7 +63,12 @@ class SGLang(InferenceBackend):
             "--random-seed": cfg.seed + k,
             "--weight-version": version,
         }
+        if cfg.model.lora.enabled:  # adapters loaded by name at run time (client.py)
+            args["--max-lora-rank"] = cfg.model.lora.rank
+            args["--lora-target-modules"] = "all"
         auth = ["--api-key", api_key] if api_key else []
+        if cfg.model.lora.enabled:
+            auth = ["--enable-lora", *auth]
         python = inf.python or sys.executable
         argv = [python, "-m", "sglang.launch_server", *flat(args), *auth, *inf.extra_args]
         return argv, dict(os.environ)
