@@ -187,3 +187,23 @@ def test_a_bfloat16_lora_trainer_holds_the_base_in_bfloat16(model_dir):
     before = [p.clone() for p in backend.trainable]
     _step(backend, 0)
     assert any(not torch.equal(a, b) for a, b in zip(before, backend.trainable, strict=True))
+
+
+def test_export_writes_the_merged_model(model_dir, tmp_path):
+    """python -m areal.export on a LoRA checkpoint: a plain HF model (tokenizer included)
+    whose log-probs are the trainer's."""
+    from areal.export import main
+
+    backend = make_backend(model_dir)
+    for k in (0, 1):
+        _step(backend, k)
+    exp = tmp_path / "exp"
+    save_checkpoint(exp, 2, lambda d: write_trainer_part(backend, d))
+    assert main([str(exp), "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert (tmp_path / "merged" / "tokenizer.json").exists()
+    with torch.no_grad():
+        logits = merged(torch.tensor([SEQS[0]])).logits[0]
+    lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(SEQS[0][1:])[:, None])[:, 0]
+    assert (lp - backend.forward([[SEQS[0]]])[0]).abs().max() < 1e-5
+    assert main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
