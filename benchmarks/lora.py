@@ -13,7 +13,8 @@ ppo.n_minibatches updates) on the same batch (--n-seqs sequences of ~20-token pr
 the whole model, or the adapter alone) and a DecodeEngine loads it in place (the embedded
 server's update_weights: copy, or base + adapter merge). It prints: peak RSS (GiB), trainer
 tokens/s (all tokens of the batch per second of the median step), the version's bytes, and
-publish and load times (ms) of a second version (a LoRA engine copies the weights that
+publish and load times (ms) of a second version (published untrained: bytes and times do
+not depend on the values; the engine in --engine-dtype) (a LoRA engine copies the weights that
 adapters change at its first adapter: "first"); then LoRA / full ratios side by side.
 
 Shapes: 4m (hidden 256, 4 layers: benchmarks/trainer.py's) and 1.5b (DeepSeek-R1-Distill-
@@ -54,25 +55,27 @@ def make_model(shape: str, out: Path) -> Path:
     return save_random_qwen2(out, QWEN2_1P5B, torch.float32)
 
 
-def run_variant(args: argparse.Namespace) -> dict:
-    """One variant in this process: steps, publish, load. Returns its figures."""
-    from areal.config import PPOConfig
+def make_backend(args: argparse.Namespace):
     from areal.lora import LoRASpec
-    from areal.rollout.engine import DecodeEngine
-    from areal.trainer.step import train_step
     from areal.trainer.torch_backend import TorchBackend
-    from areal.weights import publish
+
+    lora = LoRASpec(args.rank, 2.0 * args.rank) if args.variant == "lora" else None
+    dtype = args.lora_dtype if lora else "float32"
+    opt = dict(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0)
+    return TorchBackend.from_dir(
+        args.model, warmup_steps=1, device="cpu", lora=lora, dtype=dtype, **opt
+    )
+
+
+def run_train(args: argparse.Namespace) -> dict:
+    """--steps PPO steps of one variant in this process: peak RSS, tokens/s."""
+    from areal.config import PPOConfig
+    from areal.trainer.step import train_step
 
     sys.path.insert(0, str(HERE))
     from trainer import make_trajectories
 
-    torch.set_num_threads(args.threads)
-    lora = LoRASpec(args.rank, 2.0 * args.rank) if args.variant == "lora" else None
-    dtype = args.lora_dtype if lora else "float32"
-    opt = dict(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0)
-    backend = TorchBackend.from_dir(
-        args.model, warmup_steps=1, device="cpu", lora=lora, dtype=dtype, **opt
-    )
+    backend = make_backend(args)
     vocab = backend.model.config.vocab_size
     trajs = make_trajectories(args.n_seqs, min(vocab, 512), f"even{args.answer_len}", seed=0)
     n_tokens = sum(len(t.prompt_ids) + len(t.output_ids) for t in trajs)
@@ -82,35 +85,57 @@ def run_variant(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         train_step(backend, trajs, seed=r, **step_kw)
         times.append(time.perf_counter() - t0)
-    trainer_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    n_trainable = sum(p.numel() for p in backend.trainable)
+    return {
+        "trainable": sum(p.numel() for p in backend.trainable),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "tok_s": n_tokens / statistics.median(times),
+        "step_s": times,
+    }
 
+
+def run_handoff(args: argparse.Namespace) -> dict:
+    """Two versions of one variant published (no training: the bytes and times do not depend
+    on the values) and loaded in place by a DecodeEngine in --engine-dtype."""
+    from areal.lora import lora_layers
+    from areal.rollout.engine import DecodeEngine
+    from areal.weights import publish
+
+    backend = make_backend(args)
+    with torch.no_grad():  # a trained adapter: B != 0
+        for layer in lora_layers(backend.model).values():
+            layer.lora_B.normal_(0, 1e-3)
     exp = Path(args.exp)
     paths, publish_ms = [], []
-    for v in (1, 2):  # the second of each is the steady state (a LoRA engine copies its base
-        t0 = time.perf_counter()  # at the first adapter)
+    for v in (1, 2):  # the second of each is the steady state (a LoRA engine copies its
+        t0 = time.perf_counter()  # base at the first adapter)
         paths.append(publish(exp, v, backend.save_hf))
         publish_ms.append(1e3 * (time.perf_counter() - t0))
     nbytes = sum(p.stat().st_size for p in paths[0].iterdir())
     del backend
-    engine = DecodeEngine.from_dir(args.model, dtype=torch.float32)
+    engine = DecodeEngine.from_dir(args.model, dtype=getattr(torch, args.engine_dtype))
     load_ms = []
     for v, path in enumerate(paths, 1):
         t0 = time.perf_counter()
         ok, message, _ = engine.update_weights(str(path), weight_version=v)
         load_ms.append(1e3 * (time.perf_counter() - t0))
         assert ok, message
-    return {
-        "variant": args.variant,
-        "trainable": n_trainable,
-        "peak_rss_gib": trainer_rss,
-        "tok_s": n_tokens / statistics.median(times),
-        "step_s": times,
-        "bytes": nbytes,
-        "publish_ms": publish_ms[-1],
-        "load_ms": load_ms[-1],
-        "first_load_ms": load_ms[0],
-    }
+    return {"bytes": nbytes, "publish_ms": publish_ms[-1], "load_ms": load_ms[-1],
+            "first_load_ms": load_ms[0]}  # fmt: skip
+
+
+def child(args: argparse.Namespace, phase: str, variant: str, model: Path, per: dict) -> dict:
+    with tempfile.TemporaryDirectory(dir=args.dir) as exp:
+        cmd = [sys.executable, __file__, "--phase", phase, "--variant", variant,
+               "--model", str(model), "--exp", exp, "--rank", str(args.rank),
+               "--lora-dtype", args.lora_dtype, "--engine-dtype", per["engine_dtype"],
+               "--steps", str(args.steps), "--threads", str(args.threads),
+               "--n-seqs", str(per["n_seqs"]), "--answer-len", str(per["answer_len"]),
+               "--n-minibatches", str(per["n_minibatches"])]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        if out.returncode:
+            sys.exit(f"{model.name} {variant} {phase} exited {out.returncode}:\n"
+                     f"{out.stderr[-3000:]}")  # fmt: skip
+        return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -125,12 +150,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--full-1.5b", dest="full_big", action="store_true")
+    parser.add_argument("--engine-dtype", default="", help="'': float32 for 4m, bf16 for 1.5b")
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--exp", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.variant:  # a child: one variant
-        print(json.dumps(run_variant(args)))
+    if args.phase:  # a child: one phase of one variant
+        torch.set_num_threads(args.threads)
+        print(json.dumps((run_train if args.phase == "train" else run_handoff)(args)))
         return
 
     rows = []
@@ -141,46 +169,39 @@ def main() -> None:
             n_seqs=args.n_seqs or (4 if big else 64),
             answer_len=args.answer_len or (64 if big else 128),
             n_minibatches=args.n_minibatches or (1 if big else 4),
+            engine_dtype=args.engine_dtype or ("bfloat16" if big else "float32"),
         )
         results = {}
         for variant in ("lora", "full"):
-            if variant == "full" and big and not args.full_big:
-                continue
-            with tempfile.TemporaryDirectory(dir=args.dir) as exp:
-                cmd = [sys.executable, __file__, "--variant", variant, "--model", str(model),
-                       "--exp", exp, "--rank", str(args.rank), "--lora-dtype", args.lora_dtype,
-                       "--steps", str(args.steps), "--threads", str(args.threads),
-                       "--n-seqs", str(per["n_seqs"]), "--answer-len", str(per["answer_len"]),
-                       "--n-minibatches", str(per["n_minibatches"])]  # fmt: skip
-                out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-                if out.returncode:
-                    sys.exit(f"{shape} {variant} failed:\n{out.stderr[-3000:]}")
-                results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
-                r = results[variant]
-                print(f"{shape:>5} {variant:<5} trainable {r['trainable'] / 1e6:8.2f}M  peak "
-                      f"{r['peak_rss_gib']:6.2f} GiB  {r['tok_s']:8.1f} tok/s  version "
-                      f"{r['bytes'] / 2**20:9.2f} MiB  publish {r['publish_ms']:8.0f} ms  "
-                      f"load {r['load_ms']:8.0f} ms (first {r['first_load_ms']:.0f})  "
-                      f"(steps {[round(s, 1) for s in r['step_s']]})",
-                      flush=True)  # fmt: skip
+            r = results[variant] = {}
+            if not (variant == "full" and big and not args.full_big):
+                r.update(child(args, "train", variant, model, per))
+            r.update(child(args, "handoff", variant, model, per))
+            train = (f"trainable {r['trainable'] / 1e6:8.2f}M  peak {r['peak_rss_gib']:6.2f} GiB  "
+                     f"{r['tok_s']:8.1f} tok/s (steps {[round(t, 1) for t in r['step_s']]})"
+                     if "tok_s" in r else "training not run")  # fmt: skip
+            print(f"{shape:>5} {variant:<5} {train}  version {r['bytes'] / 2**20:9.2f} MiB  "
+                  f"publish {r['publish_ms']:8.0f} ms  load {r['load_ms']:8.0f} ms "
+                  f"(first {r['first_load_ms']:.0f})", flush=True)  # fmt: skip
         rows.append((shape, per, results))
 
     print(f"\n{'shape':>5} {'':<6}{'peak GiB':>9} {'tok/s':>8} {'version MiB':>12} "
           f"{'publish ms':>11} {'load ms':>8}")  # fmt: skip
     for shape, _per, results in rows:
         for variant, r in results.items():
-            mib = r["bytes"] / 2**20
-            print(f"{shape:>5} {variant:<6}{r['peak_rss_gib']:9.2f} {r['tok_s']:8.1f} "
-                  f"{mib:12.2f} {r['publish_ms']:11.0f} {r['load_ms']:8.0f}")  # fmt: skip
-        if "full" in results:
-            lo, fu = results["lora"], results["full"]
-            print(f"{shape:>5} {'ratio':<6}{lo['peak_rss_gib'] / fu['peak_rss_gib']:9.2f} "
-                  f"{lo['tok_s'] / fu['tok_s']:8.2f} {fu['bytes'] / lo['bytes']:11.0f}x "
-                  f"{fu['publish_ms'] / lo['publish_ms']:10.1f}x "
-                  f"{fu['load_ms'] / lo['load_ms']:7.1f}x   (lora/full; full/lora)")  # fmt: skip
-        else:
-            print(f"{shape:>5} full: not run (16 bytes/param of weights, grads and Adam in "
-                  f"float32 = {16 * 1.777e9 / 1e9:.1f} GB before activations)")  # fmt: skip
+            peak = f"{r['peak_rss_gib']:9.2f} {r['tok_s']:8.1f}" if "tok_s" in r else f"{'-':>18}"
+            print(f"{shape:>5} {variant:<6}{peak} {r['bytes'] / 2**20:12.2f} "
+                  f"{r['publish_ms']:11.0f} {r['load_ms']:8.0f}")  # fmt: skip
+        lo, fu = results["lora"], results["full"]
+        train = (f"{lo['peak_rss_gib'] / fu['peak_rss_gib']:9.2f} {lo['tok_s'] / fu['tok_s']:8.2f}"
+                 if "tok_s" in fu else f"{'-':>18}")  # fmt: skip
+        print(f"{shape:>5} {'ratio':<6}{train} {fu['bytes'] / lo['bytes']:11.0f}x "
+              f"{fu['publish_ms'] / lo['publish_ms']:10.1f}x "
+              f"{fu['load_ms'] / lo['load_ms']:7.1f}x   (lora/full; full/lora)")  # fmt: skip
+        if "tok_s" not in fu:
+            print(f"{shape:>5} full training not run: weights, gradients and Adam's two moments "
+                  f"in float32 are 16 bytes a parameter, {16 * 1.777e9 / 1e9:.1f} GB before "
+                  "activations (--full-1.5b runs it)")  # fmt: skip
 
 
 if __name__ == "__main__":
