@@ -124,7 +124,7 @@ def test_a_tiny_lora_run_on_vllm_learns_and_a_killed_server_gets_the_current_ada
     back from the base and its rollout worker loads the newest adapter before it serves."""
     steps = 40
     exp_dir = tmp_path / "tiny_vllm/lora"
-    overrides = ("trial_name=lora", "model.lora.rank=16", "trainer.lr=3e-3")
+    overrides = ("trial_name=lora", "model.lora.rank=16", "trainer.lr=2e-3")
     with launched(tmp_path, f"total_train_steps={steps}", *overrides, config=CONFIG) as launcher:
         _wait_for(
             lambda: (exp_dir / "metrics.jsonl").exists() and len(read_metrics(exp_dir)) >= 12,

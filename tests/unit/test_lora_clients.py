@@ -265,3 +265,36 @@ def test_the_embedded_server_gets_adapter_versions_through_update_weights(tmp_pa
     assert fake.ran == [(None, 1)]
     assert fake.calls[0].startswith("/update_weights_from_disk")
     assert not any("lora" in c for c in fake.calls)
+
+
+def test_lora_servers_are_started_for_runtime_adapters(tmp_path, monkeypatch):
+    """model.lora: vLLM gets --enable-lora with a rank it accepts and runtime updating in its
+    environment; SGLang --enable-lora for every linear; a resumed run's servers start from the
+    base (the rollout worker loads the checkpoint's adapter: start_adapter)."""
+    import shlex
+
+    from areal.checkpoint import save as save_checkpoint
+    from areal.config import load_config
+    from areal.rollout.backends import load_backend, start_adapter, start_weights
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    common = [f"model.path={model}", f"fileroot={tmp_path}", "model.lora.rank=12"]
+    cfg = load_config(None, ["inference.backend=vllm", *common])
+    argv, env = load_backend("vllm").command(cfg, 0, "h", 1, None)
+    assert "--enable-lora --max-lora-rank 16 --max-loras 1" in shlex.join(argv)
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    plain = load_config(None, ["inference.backend=vllm", f"model.path={model}"])
+    argv, env = load_backend("vllm").command(plain, 0, "h", 1, None)
+    assert "--enable-lora" not in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    cfg = load_config(None, ["inference.backend=sglang", *common])
+    text = shlex.join(load_backend("sglang").command(cfg, 0, "h", 1, None)[0])
+    assert "--enable-lora --max-lora-rank 12 --lora-target-modules all" in text
+
+    assert start_adapter(cfg) is None  # not resumed
+    save_checkpoint(cfg.exp_dir, 7, lambda d: (d / "model").mkdir())
+    resumed = load_config(None, ["inference.backend=sglang", *common, "resume=true"])
+    assert start_weights(resumed) == (str(model), 0)
+    assert start_adapter(resumed) == (7, str(cfg.exp_dir / "checkpoints/v000007/model"))

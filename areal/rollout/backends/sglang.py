@@ -63,14 +63,13 @@ class SGLang(InferenceBackend):
             "--random-seed": cfg.seed + k,
             "--weight-version": version,
         }
+        lora = []
         if cfg.model.lora.enabled:  # adapters loaded by name at run time (client.py)
-            args["--max-lora-rank"] = cfg.model.lora.rank
-            args["--lora-target-modules"] = "all"
+            lora = ["--enable-lora", "--max-lora-rank", str(cfg.model.lora.rank),
+                    "--lora-target-modules", "all"]  # fmt: skip
         auth = ["--api-key", api_key] if api_key else []
-        if cfg.model.lora.enabled:
-            auth = ["--enable-lora", *auth]
         python = inf.python or sys.executable
-        argv = [python, "-m", "sglang.launch_server", *flat(args), *auth, *inf.extra_args]
+        argv = [python, "-m", "sglang.launch_server", *flat(args), *lora, *auth, *inf.extra_args]
         return argv, dict(os.environ)
 
     def version_problem(self, python: str) -> str | None:
