@@ -128,7 +128,9 @@ class TorchBackend:
     @classmethod
     def from_dir(cls, model_dir: str | Path, **kwargs: Any) -> TorchBackend:
         """A backend over the HF model directory model_dir; kwargs as TorchBackend's."""
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # A LoRA run's frozen base is held in the compute dtype: read it so (no float32 peak).
+        dtype = DTYPES[kwargs.get("dtype", "float32")] if kwargs.get("lora") else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         return cls(model, model_dir=model_dir, **kwargs)
 
     def logprobs(

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from areal.weights import is_adapter_dir
 from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
 LORA = ("model.lora.rank=16", "trainer.lr=2e-3")
 
 
+@pytest.mark.timeout(900)
 def test_a_tiny_lora_run_learns_and_resumes_on_its_adapter(tmp_path):
     steps, more = 100, 6
     common = ("trial_name=lora", *LORA, "trainer.save_freq_steps=1000")
-    proc = run_train(tmp_path, f"total_train_steps={steps}", *common)
+    proc = run_train(tmp_path, f"total_train_steps={steps}", *common, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     exp_dir = tmp_path / "tiny/lora"
     metrics = read_metrics(exp_dir)
@@ -30,7 +33,7 @@ def test_a_tiny_lora_run_learns_and_resumes_on_its_adapter(tmp_path):
     rewards = [m["reward/mean"] for m in metrics]
     means = [sum(rewards[i : i + 20]) / 20 for i in range(0, steps - 19, 10)]
     # LoRA learns this task more slowly than full fine-tuning (README: LoRA).
-    assert max(means) > means[0] + 0.8, means
+    assert max(means) > means[0] + 0.6, means
     # A version is the adapter: PEFT's two files, a fraction of the model's bytes.
     (version,) = [p for p in (exp_dir / "weights").iterdir() if p.name == f"v{steps:06d}"]
     assert is_adapter_dir(version)
@@ -43,7 +46,9 @@ def test_a_tiny_lora_run_learns_and_resumes_on_its_adapter(tmp_path):
     assert is_adapter_dir(ckpt / "model") and (ckpt / "optimizer-tp0-pp0.safetensors").exists()
     assert json.loads((ckpt / "trainer.json").read_text())["lora_rank"] == 16
 
-    proc = run_train(tmp_path, f"total_train_steps={steps + more}", "resume=true", *common)
+    proc = run_train(
+        tmp_path, f"total_train_steps={steps + more}", "resume=true", *common, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(exp_dir)
     assert [m["version"] for m in metrics] == list(range(1, steps + more + 1))
