@@ -173,35 +173,35 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(path / ADAPTER_WEIGHTS)
 
 
-def adapter_deltas(path: str | Path) -> dict[str, torch.Tensor]:
-    """{"<layer>.weight": (alpha / r) B A} (float32) of an adapter directory: what merging
-    adds to each targeted weight of the base model."""
+def adapter_layers(path: str | Path) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(alpha / r, {"<layer>.weight": (A, B)}) of an adapter directory."""
     config, tensors = read_adapter(path)
     scale = float(config["lora_alpha"]) / int(config["r"])
-    deltas = {}
+    layers = {}
     for key, a in tensors.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        layer = key[len(_PREFIX) : -len(".lora_A.weight")]
-        b = tensors[key.replace(".lora_A.", ".lora_B.")]
-        deltas[f"{layer}.weight"] = scale * (b.float() @ a.float())
-    return deltas
+        if key.endswith(".lora_A.weight"):
+            layer = key[len(_PREFIX) : -len(".lora_A.weight")]
+            layers[f"{layer}.weight"] = (a, tensors[key.replace(".lora_A.", ".lora_B.")])
+    return scale, layers
 
 
 def merged_weights(
     base: dict[str, torch.Tensor], adapter_dir: str | Path
 ) -> dict[str, torch.Tensor]:
-    """The weights base + adapter changes (only those): W + (alpha / r) B A, in W's dtype.
-    ValueError naming a layer the base lacks or whose shape differs."""
+    """The weights base + adapter changes (only those): W + (alpha / r) B A, computed in
+    float32 and returned in W's dtype. ValueError naming a layer the base lacks or whose
+    shape differs."""
+    scale, layers = adapter_layers(adapter_dir)
     out = {}
-    for name, delta in adapter_deltas(adapter_dir).items():
+    for name, (a, b) in layers.items():
         if name not in base:
             raise ValueError(f"the adapter changes {name}, which the base model lacks")
         w = base[name]
-        if tuple(w.shape) != tuple(delta.shape):
-            raise ValueError(f"the adapter's {name} is {tuple(delta.shape)}, the base's "
+        if tuple(w.shape) != (b.shape[0], a.shape[1]):
+            raise ValueError(f"the adapter's {name} is {(b.shape[0], a.shape[1])}, the base's "
                              f"{tuple(w.shape)}")  # fmt: skip
-        out[name] = (w.float() + delta.to(w.device)).to(w.dtype)
+        a, b = a.to(w.device, torch.float32), b.to(w.device, torch.float32)
+        out[name] = torch.addmm(w.float(), b, a, alpha=scale).to(w.dtype)
     return out
 
 

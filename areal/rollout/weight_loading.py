@@ -61,8 +61,8 @@ def load_adapter_merged(
 def base_copy(model: torch.nn.Module, adapter_path: str) -> dict[str, torch.Tensor]:
     """Copies of the model's weights an adapter changes: the base that every later version
     of the adapter is merged into (merging into merged weights would add the updates up)."""
-    from areal.lora import adapter_deltas
+    from areal.lora import adapter_layers
 
     state = model.state_dict()
-    names = [n for n in adapter_deltas(adapter_path) if n in state]
+    names = [n for n in adapter_layers(adapter_path)[1] if n in state]
     return {name: state[name].detach().clone() for name in names}

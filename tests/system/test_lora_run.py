@@ -52,9 +52,9 @@ def test_a_tiny_lora_run_learns_and_resumes_on_its_adapter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(exp_dir)
     assert [m["version"] for m in metrics] == list(range(1, steps + more + 1))
-    assert f"loaded version {steps} " in (exp_dir / "logs/rollout0.log").read_text()
-    # After the resume, fresh tokens still agree: the server serves the checkpoint's adapter
-    # (the base alone would be off by far more).
-    resumed = [m for m in metrics[steps:] if m["train/fresh_tokens"]]
-    assert resumed and max(m["train/fresh_logprob_diff_max"] for m in resumed) < 1e-3
+    # Its server started from the base; its rollout worker loaded the checkpoint's adapter
+    # (as version `steps`) before it took any request (tests/unit/test_lora.py: an engine
+    # given an adapter directory computes the trainer's log-probs).
+    first = (exp_dir / "logs/rollout0.log").read_text().splitlines()[0]
+    assert f"loaded version {steps} in" in first, first
     assert processes_mentioning(str(tmp_path)) == []
