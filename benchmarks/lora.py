@@ -11,7 +11,9 @@ Each does --steps PPO steps (areal.trainer.step.train_step: proximal log-probs, 
 ppo.n_minibatches updates) on the same batch (--n-seqs sequences of ~20-token prompts and
 --answer-len-token answers), then publishes one version (areal.weights.publish of save_hf:
 the whole model, or the adapter alone) and a DecodeEngine loads it in place (the embedded
-server's update_weights: copy, or base + adapter merge). It prints: peak RSS (GiB), trainer
+server's update_weights: copy, or base + adapter merge). It prints: peak RSS (GiB) during the
+steps (VmHWM reset after the model is loaded; loading reads the whole checkpoint file, whose
+pages count too: that peak is printed apart), trainer
 tokens/s (all tokens of the batch per second of the median step), the version's bytes, and
 publish and load times (ms) of a second version (published untrained: bytes and times do
 not depend on the values; the engine in --engine-dtype) (a LoRA engine copies the weights that
@@ -26,6 +28,7 @@ not run unless --full-1.5b (its figures are then computed, not measured, in the 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -55,6 +58,14 @@ def make_model(shape: str, out: Path) -> Path:
     return save_random_qwen2(out, QWEN2_1P5B, torch.float32)
 
 
+def _vm_hwm_gib() -> float:
+    """This process's peak resident memory since the last reset (/proc/self/status VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def make_backend(args: argparse.Namespace):
     from areal.lora import LoRASpec
     from areal.trainer.torch_backend import TorchBackend
@@ -76,6 +87,9 @@ def run_train(args: argparse.Namespace) -> dict:
     from trainer import make_trajectories
 
     backend = make_backend(args)
+    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the steps' own peak next
     vocab = backend.model.config.vocab_size
     trajs = make_trajectories(args.n_seqs, min(vocab, 512), f"even{args.answer_len}", seed=0)
     n_tokens = sum(len(t.prompt_ids) + len(t.output_ids) for t in trajs)
@@ -87,7 +101,8 @@ def run_train(args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t0)
     return {
         "trainable": sum(p.numel() for p in backend.trainable),
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_rss_gib": _vm_hwm_gib(),
+        "load_peak_rss_gib": load_peak,
         "tok_s": n_tokens / statistics.median(times),
         "step_s": times,
     }
@@ -177,7 +192,8 @@ def main() -> None:
             if not (variant == "full" and big and not args.full_big):
                 r.update(child(args, "train", variant, model, per))
             r.update(child(args, "handoff", variant, model, per))
-            train = (f"trainable {r['trainable'] / 1e6:8.2f}M  peak {r['peak_rss_gib']:6.2f} GiB  "
+            train = (f"trainable {r['trainable'] / 1e6:8.2f}M  peak {r['peak_rss_gib']:6.2f} GiB "
+                     f"(load {r['load_peak_rss_gib']:.2f})  "
                      f"{r['tok_s']:8.1f} tok/s (steps {[round(t, 1) for t in r['step_s']]})"
                      if "tok_s" in r else "training not run")  # fmt: skip
             print(f"{shape:>5} {variant:<5} {train}  version {r['bytes'] / 2**20:9.2f} MiB  "

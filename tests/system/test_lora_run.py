@@ -5,10 +5,9 @@ server starts from the base and its rollout worker loads the checkpoint's adapte
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from areal.checkpoint import load_trainer_state
 from areal.weights import is_adapter_dir
 from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
@@ -44,7 +43,7 @@ def test_a_tiny_lora_run_learns_and_resumes_on_its_adapter(tmp_path):
     assert (version / "adapter_model.safetensors").stat().st_size * 2 < model_bytes
     ckpt = exp_dir / f"checkpoints/v{steps:06d}"
     assert is_adapter_dir(ckpt / "model") and (ckpt / "optimizer-tp0-pp0.safetensors").exists()
-    assert json.loads((ckpt / "trainer.json").read_text())["lora_rank"] == 16
+    assert load_trainer_state(ckpt)["lora_rank"] == 16
 
     proc = run_train(
         tmp_path, f"total_train_steps={steps + more}", "resume=true", *common, timeout=600
