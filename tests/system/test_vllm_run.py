@@ -144,6 +144,7 @@ def test_a_tiny_lora_run_on_vllm_learns_and_a_killed_server_gets_the_current_ada
     metrics = read_metrics(exp_dir)
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     assert sum(m["rollout/interrupted"] for m in metrics) > 0
+    assert sum(m["rollout/multi_version_samples"] for m in metrics) > 0  # resumed on a new one
     gaps = sorted(m["train/fresh_logprob_diff_max"] for m in metrics if m["train/fresh_tokens"])
     assert gaps and gaps[len(gaps) // 2] < 1e-5 and gaps[-1] < 1e-3, gaps
     # The restarted server was given the adapter under its version's name, and every
