@@ -73,6 +73,33 @@ class Section:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig(Section):
+    _section: ClassVar[str] = "model.lora"
+
+    rank: int = 0
+    """LoRA rank r; 0 (or `lora: null`) = full fine-tuning. With r > 0 the trainer trains only low-rank adapters on a frozen base, and each version hands off the adapter alone (areal/lora.py)."""  # noqa: E501
+    alpha: float = 32.0
+    """Scale numerator: the update is (alpha / rank) B A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in training only."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linear layers adapted, by last name (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or all-linear (every linear layer but the LM head)."""  # noqa: E501
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._non_negative("rank")
+        self._positive("alpha")
+        if not 0 <= self.dropout < 1:
+            self._fail("dropout", f"must be in [0, 1), got {self.dropout!r}")
+        if self.rank and not self.target_modules:
+            self._fail("target_modules", "must name at least one layer (or all-linear)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(kw_only=True)
 class ModelConfig(Section):
     _section: ClassVar[str] = "model"
 
@@ -87,7 +114,9 @@ class ModelConfig(Section):
     tiny_warmup_steps: int = 200
     """Supervised warm-up steps of the tiny model, so RL starts from a model that knows the format."""  # noqa: E501
     dtype: str = "float32"
-    """Compute dtype: float32, bfloat16 or float16 (inference servers run in it; the torch trainer keeps float32 weights and Adam and computes under autocast to it; megatron's parameters)."""  # noqa: E501
+    """Compute dtype: float32, bfloat16 or float16 (inference servers run in it; the torch trainer keeps float32 weights and Adam and computes under autocast to it, a LoRA run's frozen base in it; megatron's parameters)."""  # noqa: E501
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (rank 0 or null: off)."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -798,6 +827,15 @@ class ExperimentConfig(Section):
                 f"trainer.parallel.dp ({dp}) x ppo.n_minibatches ({self.ppo.n_minibatches}) "
                 f"exceeds the {n_traj} trajectories of a batch: every rank needs a share of "
                 "every minibatch; lower dp or n_minibatches, or raise the batch"
+            )
+
+        if self.model.lora.enabled and self.trainer.backend != "torch":
+            raise ConfigError(
+                "model.lora needs trainer.backend=torch: the megatron backend trains every "
+                "weight. LoRA there would take adapter layers on its tensor-parallel linears "
+                "(column/row-parallel A and B), their gradients reduced over tp, and an "
+                "adapter gathered from the tp ranks at publish; use the torch backend, or "
+                "model.lora.rank=0 for full fine-tuning on megatron"
             )
 
         from areal.rollout.backends import load_backend

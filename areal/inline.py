@@ -226,7 +226,8 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
     inf = cfg.inference
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
-    model_dir = str(resume_from.model_dir) if resume_from else cfg.model.path
+    lora = cfg.model.lora.enabled  # a LoRA checkpoint's model/ is the adapter: base + it
+    model_dir = str(resume_from.model_dir) if resume_from and not lora else cfg.model.path
     engines = [
         DecodeEngine.from_dir(
             model_dir,
@@ -239,6 +240,10 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
         ).start()
         for k in range(cfg.rollout.n_servers)
     ]
+    if resume_from and lora:
+        for engine in engines:
+            ok, message, _ = engine.update_weights(str(resume_from.model_dir))
+            assert ok, message
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="inline-roles", daemon=True)
     thread.start()

@@ -1,6 +1,8 @@
 """Versioned weights on shared storage: publish, find, retire.
 
-    {exp_dir}/weights/v000007/   HF format (safetensors + config + tokenizer)
+    {exp_dir}/weights/v000007/   HF format (safetensors + config + tokenizer), or with
+                                 model.lora the adapter alone (adapter_config.json +
+                                 adapter_model.safetensors, PEFT's format; areal/lora.py)
 
 The trainer writes `v000007.tmp/` and renames it, so a reader never sees a half-written
 version. Version 0 is the initial model directory itself. A version is retired only after
@@ -34,6 +36,14 @@ def copy_companion_files(source: Path, out: Path) -> None:
     for name in _COMPANION_FILES:
         if (source / name).exists():
             shutil.copy2(source / name, out / name)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether a version (or checkpoint model/) directory holds a LoRA adapter, not a model."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
 def version_name(version: int) -> str:

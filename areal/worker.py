@@ -33,7 +33,7 @@ async def _serve_until_stopped(server: RpcServer) -> None:
 
 async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     from areal.rollout.auth import api_key
-    from areal.rollout.backends import load_backend
+    from areal.rollout.backends import load_backend, start_adapter
     from areal.rollout.launch import server_log_path, wait_for_server
     from areal.rollout.worker import RolloutWorker
 
@@ -58,6 +58,9 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     await wait_for_server(
         worker.client, cfg.inference.startup_timeout_s, server_log_path(cfg.exp_dir, index)
     )
+    adapter = start_adapter(cfg)
+    if adapter is not None:  # a resumed LoRA run: the server started from the base
+        await worker.update_weights(*adapter)
     server = RpcServer(key)
     for name in RolloutWorker.RPC_METHODS:
         server.register(name, getattr(worker, name))

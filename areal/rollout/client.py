@@ -19,15 +19,32 @@ output, which the worker resumes.
 | its HTTP answer                     | the server's answer; ServerDied if it goes away    |
 | generate: its requests' end         | stop/length, or an abort (any of the three above)  |
 | wait_healthy: /health answering 200 | the server up; TimeoutError; its process exiting   |
+
+LoRA (model.lora): a version is an adapter directory. The embedded server loads it through
+/update_weights_from_disk like any version (it merges it into its weights). SGLang serves
+adapters by name (SGLangServerClient, the sglang backend's client): each version's adapter
+is loaded under its own name and the requests that follow name it in "lora_path":
+
+    new sends wait ─► /pause_generation {abort} ─► /abort_request {abort_all} until every
+    request sent is back ─► /load_lora_adapter {areal-lora-vN} ─► /update_weight_version ─►
+    /continue_generation ─► later requests name areal-lora-vN ─► /unload_lora_adapter {old}
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from areal.rollout import sglang_api as api
-from areal.rollout.http_client import HttpClient
+from areal.rollout.http_client import AdapterGate, HttpClient
 from areal.rollout.inference import GenerateOutput
+from areal.weights import is_adapter_dir
+
+ADAPTER_NAME_PREFIX = "areal-lora-v"
+
+
+def adapter_name(version: int) -> str:
+    """The name a version's adapter is served under (one per version, as on vLLM)."""
+    return f"{ADAPTER_NAME_PREFIX}{version:06d}"
 
 
 class SGLangClient(HttpClient):
@@ -37,19 +54,35 @@ class SGLangClient(HttpClient):
     eval and benchmarks (generate, pause/continue_generation, flush_cache, model_info,
     server_info)."""
 
+    adapters_by_name: ClassVar[bool] = False
+    """Whether adapter versions load by name (SGLang's LoRA routes) rather than through
+    /update_weights_from_disk (the embedded server)."""
+
+    def __init__(self, base_url: str, timeout: float = 3600, api_key: str | None = None) -> None:
+        super().__init__(base_url, timeout, api_key)
+        self.lora = AdapterGate()
+        """The adapter the requests name (adapters_by_name; None: the base model)."""
+
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
     ) -> GenerateOutput:
-        body = api.build_generate_request(input_ids, sampling_params, rid)
-        return api.parse_generate_response(await self._call("POST", "/generate", body))
+        async with self.lora.sending() as adapter:
+            body = api.with_lora_path(
+                api.build_generate_request(input_ids, sampling_params, rid), adapter
+            )
+            result = await self._call("POST", "/generate", body)
+        return api.parse_generate_response(result)
 
     async def generate_batch(
         self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], rids: list[str]
     ) -> list[GenerateOutput]:
         """Several prompts in one /generate (SGLang's batch form): one HTTP round trip for
         a group instead of one per sample; each output as `generate` would return it."""
-        body = api.build_batch_generate_request(input_ids, sampling_params, rids)
-        result = await self._call("POST", "/generate", body)
+        async with self.lora.sending() as adapter:
+            body = api.with_lora_path(
+                api.build_batch_generate_request(input_ids, sampling_params, rids), adapter
+            )
+            result = await self._call("POST", "/generate", body)
         return api.parse_batch_generate_response(result, len(input_ids))
 
     async def pause_generation(self, mode: str = "abort") -> dict:
@@ -62,12 +95,42 @@ class SGLangClient(HttpClient):
         self, model_path: str, weight_version: int, abort_all_requests: bool = False
     ) -> dict[str, Any]:
         """Load new weights; RuntimeError with the server's message when it refuses."""
+        if self.adapters_by_name and is_adapter_dir(model_path):
+            return await self._load_adapter(str(model_path), weight_version, abort_all_requests)
         body = api.build_update_weights_request(model_path, weight_version, abort_all_requests)
         result = await self._call("POST", "/update_weights_from_disk", body, ok_statuses=(200, 400))
         problem = api.update_weights_problem(result)
         if problem is not None:
             raise RuntimeError(f"{self.base_url} refused weights {model_path}: {problem}")
         return result
+
+    async def _load_adapter(self, path: str, version: int, abort_all_requests: bool) -> dict:
+        """Serve the adapter at path as `version` (the module docstring's order)."""
+        name = adapter_name(version)
+        async with self.lora.swapping():
+            await self.pause_generation("abort" if abort_all_requests else "in_place")
+            try:
+                await self.lora.drain(lambda: self.abort_request(abort_all=True))
+                body = api.build_load_lora_request(name, path)
+                result = await self._call("POST", "/load_lora_adapter", body,
+                                          ok_statuses=(200, 400))  # fmt: skip
+                problem = api.load_lora_problem(result, name)
+                if problem is not None:
+                    raise RuntimeError(f"{self.base_url} refused adapter {path}: {problem}")
+                body = api.build_update_weight_version_request(version)
+                await self._call("POST", "/update_weight_version", body)
+                previous, self.lora.adapter = self.lora.adapter, name
+            finally:
+                await self.continue_generation()
+        if previous not in (None, name):  # no request names it any more
+            try:
+                await self._call("POST", "/unload_lora_adapter",
+                                 api.build_unload_lora_request(previous),
+                                 ok_statuses=(200, 400, 404))  # fmt: skip
+            except RuntimeError:
+                pass  # only memory: the server serves `name`
+        return {"success": True, "message": f"loaded adapter {path} as {name}",
+                "num_paused_requests": 0}  # fmt: skip
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
         await self._call("POST", "/abort_request", api.build_abort_request(rid, abort_all))
@@ -87,3 +150,9 @@ class SGLangClient(HttpClient):
         """Load and counters: SGLang's /get_server_info (the embedded server's has the same
         name and its own counters, e.g. num_running_reqs and total_generated_tokens)."""
         return await self._call("GET", "/get_server_info", None)
+
+
+class SGLangServerClient(SGLangClient):
+    """The client of an SGLang server (inference.backend=sglang): LoRA versions by name."""
+
+    adapters_by_name = True

@@ -54,10 +54,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.cores import Cores
+from areal.lora import is_adapter_dir
 from areal.rollout.generation import PAUSE_MODES, GenerationResult, Request, SamplingParams
 from areal.rollout.kv_cache import KVCache
 from areal.rollout.sampling import sample
-from areal.rollout.weight_loading import load_checked
+from areal.rollout.weight_loading import base_copy, load_adapter_merged, load_checked
 
 __all__ = ["DecodeEngine", "GenerationResult", "SamplingParams", "length_buckets"]
 
@@ -113,6 +114,8 @@ class DecodeEngine:
         self._kv.max_cells = self.max_total_tokens
         self._rows: list[Request] = []  # the requests in cache rows 0..n-1 (decode thread)
         self._kv_stale = False  # set by a weight update: every row must be recomputed
+        # The weights LoRA adapters change, as they were before the first adapter was merged.
+        self._lora_base: dict[str, torch.Tensor] | None = None
 
         self._cv = threading.Condition()
         self._held: list[Request] = []  # submitted during a pause: not admitted yet
@@ -269,9 +272,19 @@ class DecodeEngine:
         not admitted meanwhile); while paused it applies at once and reports how many
         requests it kept. abort_all_requests aborts what runs first (an interruption in one
         call); requests submitted until the load ends wait for the new weights.
+
+        model_path may be a LoRA adapter directory (areal/lora.py): its update is merged into
+        the base weights (kept apart at the first adapter), so that decoding costs what it
+        did without LoRA; a whole model's weights replace the base.
         """
         try:
-            tensors = load_checked(self.model, model_path)
+            if is_adapter_dir(model_path):
+                if self._lora_base is None:
+                    self._lora_base = base_copy(self.model, model_path)
+                tensors = load_adapter_merged(self.model, self._lora_base, model_path)
+            else:
+                tensors = load_checked(self.model, model_path)
+                self._lora_base = None
         except (OSError, ValueError) as e:
             return False, f"Failed to update weights from {model_path}: {e}", 0
         with self._cv:

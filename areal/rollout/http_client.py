@@ -19,10 +19,12 @@ a failure on a fresh connection raises ServerDied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import subprocess
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -171,3 +173,45 @@ async def _note_reuse(session: aiohttp.ClientSession, ctx: Any, params: Any) -> 
 _REUSE_TRACE = aiohttp.TraceConfig()
 _REUSE_TRACE.on_connection_reuseconn.append(_note_reuse)
 _REUSE_TRACE.freeze()
+
+
+class AdapterGate:
+    """The LoRA adapter a client's requests name, swapped without a request naming a name
+    the server no longer serves, or running on an adapter older than its version's tag.
+
+    A request names its adapter when the server receives it (even while generation is
+    paused); so while a swap runs, new requests wait (`sending`), and the swap first aborts
+    until every request sent under the old name has answered (`drain`): the worker resumes
+    those under the new name, once it is registered."""
+
+    def __init__(self) -> None:
+        self.adapter: str | None = None
+        """The adapter's served name (None: the base model)."""
+        self._open = asyncio.Event()
+        self._open.set()
+        self._sending = 0
+
+    @contextlib.asynccontextmanager
+    async def sending(self) -> AsyncIterator[str | None]:
+        """Around one request: waits for a swap to end; yields the adapter to name."""
+        await self._open.wait()
+        self._sending += 1
+        try:
+            yield self.adapter
+        finally:
+            self._sending -= 1
+
+    @contextlib.asynccontextmanager
+    async def swapping(self) -> AsyncIterator[None]:
+        """Around a swap: requests wait until it ends (failed or not)."""
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+
+    async def drain(self, abort_all: Callable[[], Awaitable[Any]]) -> None:
+        """Inside swapping(): abort until no request sent before it is left on the server."""
+        while self._sending:
+            await abort_all()
+            await asyncio.sleep(0.02)

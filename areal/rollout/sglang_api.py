@@ -137,6 +137,51 @@ def build_abort_request(rid: str | None = None, abort_all: bool = False) -> dict
     return {"rid": rid or "", "abort_all": abort_all}
 
 
+# LoRA (SGLang 0.5.x, docs "LoRA Serving"; the server runs --enable-lora --max-lora-rank R
+# --lora-target-modules all): adapters load and unload at run time by name, and a /generate
+# names the one it runs on in "lora_path" (one per prompt in the batch form).
+
+
+def build_load_lora_request(name: str, path: str) -> dict[str, Any]:
+    """The /load_lora_adapter body: serve the adapter directory `path` as `name`."""
+    return {"lora_name": name, "lora_path": str(path)}
+
+
+def build_unload_lora_request(name: str) -> dict[str, Any]:
+    """The /unload_lora_adapter body."""
+    return {"lora_name": name}
+
+
+def build_update_weight_version_request(version: int) -> dict[str, Any]:
+    """The /update_weight_version body: label outputs from now on (no weights change). Its
+    abort_all_requests defaults to true on SGLang: the caller has aborted already."""
+    return {"new_version": format_weight_version(version), "abort_all_requests": False}
+
+
+def with_lora_path(body: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+    """A /generate body (single or batch form) naming the adapter it runs on (None: base)."""
+    if adapter is not None:
+        n = (
+            len(body["input_ids"])
+            if body["input_ids"] and isinstance(body["input_ids"][0], list)
+            else 0
+        )
+        body["lora_path"] = [adapter] * n if n else adapter
+    return body
+
+
+def load_lora_problem(body: Any, name: str) -> str | None:
+    """None when /load_lora_adapter answered success with `name` among loaded_adapters, else
+    the server's reason."""
+    if isinstance(body, dict) and body.get("success"):
+        if name in (body.get("loaded_adapters") or {}):
+            return None
+        return f"the answer's loaded_adapters {body.get('loaded_adapters')} lack {name}"
+    if isinstance(body, dict) and body.get("error_message"):
+        return str(body["error_message"])
+    return error_message(body)
+
+
 # ---- client side: response parsers --------------------------------------------------------
 
 

@@ -7,6 +7,10 @@
  update_weights_from_disk(dir, v, abort_all_requests)
       POST /pause?mode=abort|wait ─► /collective_rpc areal_reload_weights ─► /update_weight_version
       ─► /reset_prefix_cache ─► /resume            (always resumed, even when a step failed)
+ update_weights_from_disk(adapter dir, v, ...)     (model.lora: the server runs --enable-lora)
+      new sends wait ─► POST /pause ─► /abort_requests until every request sent is back ─►
+      /v1/load_lora_adapter {areal-lora-vN} ─► /update_weight_version ─► /reset_prefix_cache
+      ─► /resume ─► later requests name areal-lora-vN ─► /v1/unload_lora_adapter {the previous}
 ```
 
 Protocol code is plain functions, tested without a server (tests/unit/test_vllm_parsing.py
@@ -32,6 +36,14 @@ Where vLLM differs from SGLang, and what this module does about it:
 - stop_token_ids still stop with ignore_eos; SGLang ignores them then, so they are dropped.
 - max_new_tokens=0 is a 400 on vLLM; it is answered here (no tokens, finish "length").
 - Unknown sampling parameters are silently ignored by vLLM; here they are a ValueError.
+- LoRA: a request names its adapter ("model"), resolved when the API server receives it,
+  even while the engine is paused; a name not registered is a 404 (upstream AReaL's
+  LoRA-update failures). So a version's adapter is registered under its own name
+  (adapter_name(v)) before any request names it (requests wait for the load), and the
+  previous one is unregistered only once no request sent with it is left on the server:
+  after the pause, /abort_requests is repeated until every such request has answered
+  (one that reached the server during the pause would otherwise run on the old adapter
+  under the new version's tag); the worker resumes them under the new name.
 - An aborted request has finish_reason "abort" with its partial tokens and log-probs, as
   SGLang's, but no message: GenerateOutput.message is "aborted".
 - /abort_requests of a request that the engine has not registered yet (just sent) does
@@ -44,9 +56,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from areal.rollout.http_client import HttpClient
+from areal.rollout.client import adapter_name
+from areal.rollout.http_client import AdapterGate, HttpClient
 from areal.rollout.inference import FINISH_REASONS, GenerateOutput
 from areal.rollout.sglang_api import format_weight_version, parse_weight_version
+from areal.weights import is_adapter_dir
 
 GENERATE_PATH = "/inference/v1/generate"
 REQUEST_ID_PREFIX = "generate-tokens-"
@@ -95,10 +109,19 @@ def translate_sampling_params(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def build_load_adapter_request(name: str, path: str) -> dict[str, Any]:
+    """The /v1/load_lora_adapter body (load_inplace: a retried load of the same version)."""
+    return {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+
+
 def build_generate_request(
-    input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
+    input_ids: list[int],
+    sampling_params: dict[str, Any],
+    rid: str | None = None,
+    adapter: str | None = None,
 ) -> dict[str, Any]:
-    """The /inference/v1/generate body for one prompt: token ids in, ids and log-probs out."""
+    """The /inference/v1/generate body for one prompt: token ids in, ids and log-probs out;
+    adapter: the LoRA adapter's served name (None: the base model)."""
     if not input_ids:
         raise ValueError("input_ids must not be empty")
     body: dict[str, Any] = {
@@ -108,6 +131,8 @@ def build_generate_request(
     }
     if rid is not None:
         body["request_id"] = rid
+    if adapter is not None:
+        body["model"] = adapter
     return body
 
 
@@ -206,6 +231,8 @@ class VLLMClient(HttpClient):
         super().__init__(base_url, timeout, api_key)
         self.weight_version = 0
         """The last version this client loaded or set (tags outputs without tokens)."""
+        self.lora = AdapterGate()
+        """The LoRA adapter the requests name (model.lora; None: the base model)."""
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str | None = None
@@ -216,8 +243,9 @@ class VLLMClient(HttpClient):
                 output_ids=[], logprobs=[], finish_reason="length",
                 weight_version=self.weight_version, completion_tokens=0, rid=rid,
             )  # fmt: skip
-        body = build_generate_request(input_ids, sampling_params, rid)
-        result = await self._call("POST", GENERATE_PATH, body)
+        async with self.lora.sending() as adapter:
+            body = build_generate_request(input_ids, sampling_params, rid, adapter)
+            result = await self._call("POST", GENERATE_PATH, body)
         return parse_generate_response(result, self.weight_version)
 
     async def generate_batch(
@@ -252,6 +280,8 @@ class VLLMClient(HttpClient):
         finish first. Requests sent meanwhile wait and run with the new weights. Nothing
         computed with the old weights is reused (the prefix cache is emptied). RuntimeError
         with the server's message when it refuses; the server is resumed either way."""
+        if is_adapter_dir(model_path):
+            return await self._load_adapter(str(model_path), weight_version, abort_all_requests)
         mode = "abort" if abort_all_requests else "wait"
         await self._call("POST", f"/pause?mode={mode}", None)
         try:
@@ -265,6 +295,37 @@ class VLLMClient(HttpClient):
         finally:
             await self._call("POST", "/resume", None)
         return {"success": True, "message": f"loaded {model_path}", "num_paused_requests": 0}
+
+    async def _load_adapter(self, path: str, version: int, abort_all_requests: bool) -> dict:
+        """Serve the LoRA adapter at path as `version` (module docstring: the order)."""
+        name = adapter_name(version)
+        async with self.lora.swapping():
+            await self._call("POST", f"/pause?mode={'abort' if abort_all_requests else 'wait'}",
+                             None)  # fmt: skip
+            try:
+                # A request that reached the server during the pause still names the old
+                # adapter: abort until each one sent has answered.
+                await self.lora.drain(lambda: self._call("POST", "/abort_requests", {}))
+                try:
+                    await self._call("POST", "/v1/load_lora_adapter",
+                                     build_load_adapter_request(name, path))  # fmt: skip
+                except RuntimeError as e:
+                    raise RuntimeError(f"{self.base_url} refused adapter {path}: {e}") from e
+                await self.set_weight_version(version)
+                await self._call("POST", "/reset_prefix_cache", None)
+                previous, self.lora.adapter = self.lora.adapter, name
+            finally:
+                await self._call("POST", "/resume", None)
+        if previous not in (None, name):
+            # No request names it any more (new ones name `name`). A restarted server never
+            # had it: 404, fine.
+            try:
+                await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": previous},
+                                 ok_statuses=(200, 404))  # fmt: skip
+            except RuntimeError:
+                pass  # only memory: the server keeps serving `name`
+        return {"success": True, "message": f"loaded adapter {path} as {name}",
+                "num_paused_requests": 0}  # fmt: skip
 
     async def set_weight_version(self, weight_version: int) -> None:
         """Label what the server generates from now on (no weights change)."""

@@ -10,10 +10,14 @@ the torch path never imports megatron.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal.config import ExperimentConfig
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.parallel import DataParallel
+
+if TYPE_CHECKING:
+    from areal.lora import LoRASpec
 
 
 def _backend_kwargs(cfg: ExperimentConfig) -> dict:
@@ -32,6 +36,16 @@ def _backend_kwargs(cfg: ExperimentConfig) -> dict:
     )
 
 
+def lora_spec(cfg: ExperimentConfig) -> LoRASpec | None:
+    """model.lora as the trainer's LoRASpec, or None for full fine-tuning."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return None
+    from areal.lora import LoRASpec
+
+    return LoRASpec(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+
+
 def make_backend(
     cfg: ExperimentConfig, model_dir: str | Path, dp: DataParallel
 ) -> tuple[TrainerBackend, DataParallel]:
@@ -43,7 +57,18 @@ def make_backend(
         from areal.trainer.torch_backend import TorchBackend
 
         device = str(dp.device) if dp.device.type == "cuda" else None
+        lora = lora_spec(cfg)
+        if lora:
+            # The base is always model.path; a resumed run's model_dir is its adapter.
+            from areal.lora import is_adapter_dir
+
+            adapter = model_dir if is_adapter_dir(model_dir) else None
+            backend = TorchBackend.from_dir(
+                cfg.model.path, device=device, lora=lora, adapter_dir=adapter, **common
+            )
+            return backend, dp
         return TorchBackend.from_dir(model_dir, device=device, **common), dp
+    # ExperimentConfig refuses model.lora with megatron (it says what LoRA would take there).
     assert t.backend == "megatron", t.backend  # TrainerConfig checks the name
     from areal.trainer.megatron.backend import MegatronBackend, data_parallel_group
 

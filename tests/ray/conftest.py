@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-
 import pytest
 
 from tests.ray.cluster import RayTestCluster
-from tests.system.conftest import SHARED_MODELS_ENV
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,12 +27,11 @@ def cluster():
     assert c.processes() == []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def shared_tiny_models(tmp_path_factory):
-    """The tiny model made once for the module's runs (tests/system/test_run.train_cmd)."""
-    if os.environ.get(SHARED_MODELS_ENV):
-        yield
-        return
-    os.environ[SHARED_MODELS_ENV] = str(tmp_path_factory.mktemp("tiny-models"))
-    yield
-    del os.environ[SHARED_MODELS_ENV]
+@pytest.fixture(autouse=True)
+def tiny_models_from_the_session_cache(tmp_path):
+    """A Ray run keeps its tiny model under {fileroot}/models (every node must see it); here
+    that directory is the session's cache (tests/conftest.py): the runs make it once."""
+    from areal.models.cache import cache_dir
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    (tmp_path / "models").symlink_to(cache_dir(), target_is_directory=True)

@@ -122,3 +122,47 @@ def test_eval_through_vllm(tmp_path):
     assert result["reward_counts"]["graded"] == 24
     assert 0.0 <= result["scores"]["pass@1"] <= result["scores"]["pass@4"] <= 1.0
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 30, "the server gone")
+
+
+def test_a_tiny_lora_run_on_vllm_learns_and_a_killed_server_gets_the_current_adapter(tmp_path):
+    """model.lora on vLLM: each version's adapter loaded at run time under its own name
+    (--enable-lora, /v1/load_lora_adapter) while generation is interrupted and resumed;
+    vLLM's log-probs (base + adapter, unmerged) are the trainer's; a SIGKILLed server comes
+    back from the base and its rollout worker loads the newest adapter before it serves."""
+    steps = 40
+    exp_dir = tmp_path / "tiny_vllm/lora"
+    overrides = ("trial_name=lora", "model.lora.rank=16", "trainer.lr=2e-3")
+    with launched(tmp_path, f"total_train_steps={steps}", *overrides, config=CONFIG) as launcher:
+        _wait_for(
+            lambda: (exp_dir / "metrics.jsonl").exists() and len(read_metrics(exp_dir)) >= 12,
+            600,
+            "12 training steps",
+        )
+        port = (exp_dir / "registry/server/0").read_text().rsplit(":", 1)[1]
+        old = vllm_processes(exp_dir)
+        (api_server,) = [p for p in old if f"--port {port} " in cmdline(p) + " "]
+        assert "--enable-lora" in cmdline(api_server)
+        os.kill(api_server, signal.SIGKILL)
+        controller_log = exp_dir / "logs/controller0.log"
+        _wait_for(lambda: "inference server 0 is back" in controller_log.read_text(), 300, "back")
+        out, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "role server0 was killed by SIGKILL; restarting it (1/3)" in err
+    metrics = read_metrics(exp_dir)
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    assert sum(m["rollout/interrupted"] for m in metrics) > 0
+    assert sum(m["rollout/multi_version_samples"] for m in metrics) > 0  # resumed on a new one
+    gaps = sorted(m["train/fresh_logprob_diff_max"] for m in metrics if m["train/fresh_tokens"])
+    assert gaps and gaps[len(gaps) // 2] < 1e-5 and gaps[-1] < 1e-3, gaps
+    # The restarted server was given the adapter under its version's name, and every
+    # version after it too; it came back on trained weights.
+    server_log = (exp_dir / "logs/server0.log").read_text()
+    restarted = server_log[server_log.rindex("--enable-lora") :]
+    assert "Loaded new LoRA adapter: name 'areal-lora-v" in restarted
+    assert f"areal-lora-v{steps:06d}" in server_log
+    assert " 404 " not in server_log and "does not exist" not in server_log
+    assert 0 < metrics[-1]["rollout/server_version_min"] <= steps
+    rewards = [m["reward/mean"] for m in metrics]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.5, rewards
+    _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 30, "no orphans")
+    _wait_for(lambda: vllm_processes(exp_dir) == [], 30, "no vLLM process left")

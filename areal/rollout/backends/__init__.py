@@ -87,9 +87,22 @@ def start_weights(cfg: Any) -> tuple[str, int]:
         from areal.checkpoint import latest  # imports torch: only when it is needed
 
         ckpt = latest(cfg.exp_dir)
-        if ckpt:
+        if ckpt and not cfg.model.lora.enabled:
             return str(ckpt.model_dir), ckpt.version
+    # LoRA: a server starts from the base; its rollout worker loads the adapter (start_adapter).
     return cfg.model.path, 0
+
+
+def start_adapter(cfg: Any) -> tuple[int, str] | None:
+    """A resumed LoRA run's (version, adapter directory): its checkpoint's model/. The rollout
+    worker loads it into its server (which starts from the base) before serving, and into a
+    restarted one, as it does every version."""
+    if not (cfg.resume and cfg.model.lora.enabled):
+        return None
+    from areal.checkpoint import latest
+
+    ckpt = latest(cfg.exp_dir)
+    return (ckpt.version, str(ckpt.model_dir)) if ckpt else None
 
 
 def weights_roots(cfg: Any) -> list[str]:

@@ -49,9 +49,9 @@ class SGLang(InferenceBackend):
             )
 
     def client(self) -> ClientFactory:
-        from areal.rollout.client import SGLangClient
+        from areal.rollout.client import SGLangServerClient
 
-        return SGLangClient
+        return SGLangServerClient
 
     def command(
         self, cfg: Any, k: int, host: str, port: int, api_key: str | None
@@ -69,9 +69,13 @@ class SGLang(InferenceBackend):
             "--random-seed": cfg.seed + k,
             "--weight-version": version,
         }
+        lora = []
+        if cfg.model.lora.enabled:  # adapters loaded by name at run time (client.py)
+            lora = ["--enable-lora", "--max-lora-rank", str(cfg.model.lora.rank),
+                    "--lora-target-modules", "all"]  # fmt: skip
         auth = ["--api-key", api_key] if api_key else []
         python = inf.python or sys.executable
-        argv = [python, "-m", "sglang.launch_server", *flat(args), *auth, *inf.extra_args]
+        argv = [python, "-m", "sglang.launch_server", *flat(args), *lora, *auth, *inf.extra_args]
         return argv, dict(os.environ)
 
     def version_problem(self, python: str) -> str | None:

@@ -28,6 +28,9 @@ What each piece is for:
 |                                   | the Hub (and retrying) as if it were a repository id   |
 | VLLM_HTTP_TIMEOUT_KEEP_ALIVE      | keepalive_s, when given: how long uvicorn keeps an idle|
 |                                   | connection (its default 5 s)                           |
+| model.lora: --enable-lora,        | each version's adapter loaded at run time under its    |
+| --max-lora-rank, --max-loras 1,   | own name (/v1/load_lora_adapter, vllm_client.py); one  |
+| VLLM_ALLOW_RUNTIME_LORA_UPDATING=1| adapter serves at a time                               |
 """
 
 from __future__ import annotations
@@ -76,12 +79,14 @@ def vllm_server_command(
     kv_cache_gib: int = 1,
     weights_roots: list[str] | tuple[str, ...] = (),
     keepalive_s: int = 0,
+    lora_rank: int = 0,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of a vLLM server for `model` on host:port, reporting weight version
     `version` until its first update. env is the whole environment (os.environ plus ours).
     With api_key, every route but /health and /metrics requires it; with weights_roots,
     weights reload only from under those directories (the run's own). keepalive_s: seconds
-    an idle connection stays open (0: vLLM's 5)."""
+    an idle connection stays open (0: vLLM's 5). lora_rank > 0: LoRA adapters of up to that
+    rank are loaded at run time (model.lora)."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     argv = [
@@ -102,6 +107,9 @@ def vllm_server_command(
         argv += ["--dtype", "float32"]
     if api_key:
         argv += ["--middleware", "areal.rollout.vllm_ext.RequireAPIKey"]
+    if lora_rank:
+        argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora_rank)),
+                 "--max-loras", "1"]  # fmt: skip
     argv += [str(a) for a in extra_args]
     env = dict(os.environ)
     env.pop("AREAL_API_KEY", None)  # only when asked for: RequireAPIKey refuses to start without
@@ -112,6 +120,8 @@ def vllm_server_command(
         AREAL_WEIGHT_VERSION=str(int(version)),
         HF_HUB_OFFLINE="1",
     )
+    if lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter and unload
     if device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
@@ -126,6 +136,17 @@ def vllm_server_command(
     return argv, env
 
 
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The --max-lora-rank vLLM accepts (one of its fixed values) for adapters of `rank`."""
+    for allowed in _VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"vLLM serves LoRA ranks up to {_VLLM_LORA_RANKS[-1]}, not {rank}")
+
+
 OWNED_ARGS = {
     "--model": "model.path or the resumed checkpoint",
     "--host": "the node's address",
@@ -134,6 +155,8 @@ OWNED_ARGS = {
     "--tensor-parallel-size": "inference.tp_size",
     "--tp": "inference.tp_size",
     "--gpu-memory-utilization": "inference.mem_fraction",
+    "--enable-lora": "model.lora.rank",
+    "--max-lora-rank": "model.lora.rank",
 }
 """vLLM arguments the launcher derives from the config; inference.extra_args may not repeat
 them (-> where the value comes from)."""
@@ -160,6 +183,9 @@ class VLLM(InferenceBackend):
                 "inference.server_keepalive_s must be whole seconds for vLLM "
                 f"(VLLM_HTTP_TIMEOUT_KEEP_ALIVE), got {keepalive!r}"
             )
+        if cfg.model.lora.rank > _VLLM_LORA_RANKS[-1]:
+            raise ConfigError(f"inference.backend=vllm serves LoRA ranks up to "
+                              f"{_VLLM_LORA_RANKS[-1]}: lower model.lora.rank")  # fmt: skip
         head_dim = cfg.model.tiny_hidden // cfg.model.tiny_heads
         if not cfg.model.path and head_dim < 32:
             # vLLM's CPU attention kills the engine at the first request otherwise.
@@ -199,6 +225,7 @@ class VLLM(InferenceBackend):
             max_model_len=context_length(model, cfg),
             weights_roots=weights_roots(cfg),
             keepalive_s=int(inf.server_keepalive_s),
+            lora_rank=cfg.model.lora.rank,
         )  # fmt: skip
         if device == "cpu":  # its share of the node's cores, as an embedded server's
             from areal.cores import role_threads
