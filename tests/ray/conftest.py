@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+
 import pytest
 
 from tests.ray.cluster import RayTestCluster
