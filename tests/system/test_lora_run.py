@@ -5,9 +5,12 @@ server starts from the base and its rollout worker loads the checkpoint's adapte
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from areal.checkpoint import load_trainer_state
+from areal.config import load_config
 from areal.weights import is_adapter_dir
 from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
@@ -38,7 +41,7 @@ def test_a_tiny_lora_run_learns_and_resumes_on_its_adapter(tmp_path):
     assert is_adapter_dir(version)
     assert sorted(p.name for p in version.iterdir()) == [
         "adapter_config.json", "adapter_model.safetensors"]  # fmt: skip
-    model_dir = next((tmp_path / "models").iterdir())
+    model_dir = Path(load_config(str(exp_dir / "config.yaml")).model.path)  # the tiny model
     model_bytes = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     assert (version / "adapter_model.safetensors").stat().st_size * 2 < model_bytes
     ckpt = exp_dir / f"checkpoints/v{steps:06d}"
