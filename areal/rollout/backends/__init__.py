@@ -16,6 +16,7 @@ areal.config: the config validates inference.backend through this registry.
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib
 import json
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
     from areal.rollout.inference import ClientFactory
 
 
-class InferenceBackend:
-    """What areal needs of an inference backend. `cfg` is the run's ExperimentConfig."""
+class InferenceBackend(abc.ABC):
+    """What areal needs of an inference backend. `cfg` is the run's ExperimentConfig. A
+    backend must give its client and its command line; the rest has defaults."""
 
     name: str = ""
     lends_cores: bool = False
@@ -43,17 +45,18 @@ class InferenceBackend:
 
     def check(self, cfg: Any) -> None:
         """Raise ConfigError for a config this backend cannot serve (called on load)."""
+        return None  # a backend without rules of its own accepts every config
 
+    @abc.abstractmethod
     def client(self) -> ClientFactory:
         """The InferenceClient class of this backend's servers."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def command(
         self, cfg: Any, k: int, host: str, port: int, api_key: str | None
     ) -> tuple[list[str], dict[str, str]]:
         """argv and whole environment of inference server k, listening on host:port and
         requiring api_key (None: no key)."""
-        raise NotImplementedError
 
     def version_problem(self, python: str) -> str | None:
         """None if `python` can run this backend's server, else what is wrong and the fix."""
