@@ -246,6 +246,8 @@ class Controller:
             "rollout/groups_in_flight": self.buffer.n_in_flight,
             "rollout/groups_ready": len(self.buffer),
             "rollout/dropped_groups": dropped,
+            # Screened: graded without the pool; reused: a question the pool had answered.
+            **{f"reward/{k}": reward_stats[k] for k in ("graded", "screened", "reused")},
             "reward/timeouts": reward_stats["timeouts"],
             "reward/errors": reward_stats["errors"],
             **self.episodes.stats(),

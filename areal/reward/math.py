@@ -1,8 +1,14 @@
 """Math grading: the response's last `\\boxed{...}` must equal the gold answer (math-verify).
 
-    response --last \\boxed{} (nested braces)--> "$content$" --parse--> sympy
-    gold ("\\frac{1}{2}", "0.5", "[1, 3)", "\\{1, 2\\}", "5\\text{ cm}") --parse--> sympy
-    math_verify.verify(gold, answer): fractions, decimals, LaTeX, sets, intervals, units
+    response --last \\boxed{} (nested braces)--> answer --screen--> verdict, when certain:
+        no answer: wrong; the gold's own string (trivially normalised): right;
+        two integers: compared as integers
+    otherwise "$answer$", gold ("\\frac{1}{2}", "0.5", "[1, 3)", "\\{1, 2\\}", "5\\text{ cm}")
+        --parse--> sympy --math_verify.verify--> verdict, memoised per (answer, gold)
+
+Screening first matters on a CPU node: math-verify parses both sides with sympy (milliseconds
+a response, on the cores that generate and train), while a policy that has learnt a task
+mostly writes the gold answer itself (benchmarks/grading.py).
 
 math-verify's own time limits use SIGALRM, which fails off the main thread and would
 silently score everything 0 there: they are switched off (None) here, and the reward
@@ -11,7 +17,9 @@ service's process pool enforces the time limit by killing the grading process in
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
@@ -23,6 +31,10 @@ MAX_ANSWER_CHARS = 1_000  # a longer "answer" is not a final answer, and sympy w
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
+_AROUND_SYMBOLS = re.compile(r"\s*([^\w\\\s])\s*")  # spaces beside a symbol: "1, 2" is "1,2"
+_INTEGER = re.compile(r"-?\d+")
+_FRAC = re.compile(r"\\[dt]frac(?![a-zA-Z])")
+_SIZED = re.compile(r"\\(left|right)(?![a-zA-Z])")  # \left( is (; \leftarrow is not
 
 
 def last_boxed(text: str) -> str | None:
@@ -60,11 +72,40 @@ def _parse(latex: str) -> list:
     return parse(f"${latex}$", extraction_config=_CONFIG, parsing_timeout=None)
 
 
-def is_correct(response: str, gold: str) -> bool:
-    """True when the response's final boxed answer is equivalent to `gold`."""
+def _normal(latex: str) -> str:
+    """Spelling that never changes the value: outer $ and spaces, spaces beside symbols,
+    \\dfrac/\\tfrac for \\frac, \\left/\\right."""
+    text = latex.strip().removeprefix("$").removesuffix("$")
+    text = _SIZED.sub("", _FRAC.sub(r"\\frac", text))
+    return _AROUND_SYMBOLS.sub(r"\1", text.strip())
+
+
+def screen(response: str, gold: str) -> bool | tuple[str, str]:
+    """The verdict where it is certain without sympy (no final answer: wrong; the gold's own
+    string after trivial normalisation: right; two integers: their values decide); otherwise
+    the question only math-verify answers, (answer, gold), whose verdict may be reused for
+    every response that asks it."""
     answer = last_boxed(response)
     if answer is None or not answer.strip() or len(answer) > MAX_ANSWER_CHARS:
         return False
+    mine, theirs = _normal(answer), _normal(gold)
+    if mine == theirs and mine:
+        return True
+    if _INTEGER.fullmatch(mine) and _INTEGER.fullmatch(theirs):
+        return int(mine) == int(theirs)
+    return answer, gold
+
+
+def is_correct(response: str, gold: str) -> bool:
+    """True when the response's final boxed answer is equivalent to `gold`."""
+    verdict = screen(response, gold)
+    return verdict if isinstance(verdict, bool) else verify_answer(*verdict)
+
+
+@functools.lru_cache(maxsize=65536)
+def verify_answer(answer: str, gold: str) -> bool:
+    """math-verify's verdict on a boxed answer against the gold one (memoised: a group's
+    wrong answers repeat). ValueError for a gold answer it cannot read."""
     gold_parsed = _parse(gold.strip().removeprefix("$").removesuffix("$"))
     if not gold_parsed:
         # A gold answer math-verify cannot read is a data problem: let the service count it.

@@ -12,6 +12,12 @@ counted; it never fails the request. The pool is pebble's: it kills a grading pr
 outlives its timeout (and only that one) and starts another in its place, and reports a
 process that died as ProcessExpired. A task whose grader is a regex (Task.grade_inline) is
 graded in the service's own process: the pool's round trip would cost more.
+
+A task with a screen (math) is looked at here first: a certain verdict (no final answer, the
+gold answer's own string, two integers) costs no pool round trip and no sympy; otherwise the
+screen names the question (boxed answer, gold), which the pool answers once: the verdict is
+kept (the most recent MAX_VERDICTS) and shared with every response that asks the same, those
+asked while it is being graded included. A question whose grading failed is asked again.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+from collections import OrderedDict
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -30,6 +37,10 @@ from areal.reward import sandbox
 from areal.tasks import load_task
 
 log = logging.getLogger("areal.reward")
+
+MAX_VERDICTS = 65_536
+"""Questions whose verdicts the service keeps (a few hundred bytes each)."""
+COUNTS = ("graded", "screened", "reused", "timeouts", "errors")
 
 
 def grade_one(task: str, response: str, answer: Any, options: dict) -> bool:
@@ -62,7 +73,8 @@ class RewardService:
         # At most one grading per pool process is submitted, so that a response's time
         # limit counts its own grading, never its wait in the pool's queue.
         self.slots = asyncio.Semaphore(cfg.n_workers)
-        self.counts = {"graded": 0, "timeouts": 0, "errors": 0}
+        self.verdicts: OrderedDict[tuple, asyncio.Future[bool]] = OrderedDict()
+        self.counts = dict.fromkeys(COUNTS, 0)
 
     async def grade(self, task: str, responses: list[str], answer: Any) -> list[float]:
         if task not in self.options:  # an unknown task fails the request (ConfigError)
@@ -75,12 +87,41 @@ class RewardService:
 
     async def _grade(self, task: str, response: str, answer: Any) -> bool:
         grader = load_task(task)
+        self.counts["graded"] += 1
+        if grader.screen is None:
+            return bool(await self._grade_fully(grader, task, response, answer))
+        try:
+            question = grader.screen(response, answer)
+            key = (task, question)
+            hash(key)  # a screen's question must be hashable: a TypeError here is its bug
+        except Exception as e:  # a screen bug must not take the service down
+            self.counts["errors"] += 1
+            log.warning("grader error (%s: %s); scored wrong", type(e).__name__, e)
+            return False
+        if isinstance(question, bool):
+            self.counts["screened"] += 1
+            return question
+        known = self.verdicts.get(key)
+        if known is not None:
+            self.counts["reused"] += 1
+            self.verdicts.move_to_end(key)
+            return await asyncio.shield(known)
+        known = self.verdicts[key] = asyncio.get_running_loop().create_future()
+        if len(self.verdicts) > MAX_VERDICTS:
+            self.verdicts.popitem(last=False)
+        verdict = await self._grade_fully(grader, task, response, answer)
+        known.set_result(bool(verdict))
+        if verdict is None:  # failed: the next response that asks is graded afresh
+            self.verdicts.pop(key, None)
+        return bool(verdict)
+
+    async def _grade_fully(self, grader: Any, task: str, response: str, answer: Any) -> bool | None:
+        """is_correct's verdict (in the pool, or here for grade_inline), or None where it
+        failed (a timeout, a dead process, a grader error: counted, and scored wrong)."""
         try:
             if grader.grade_inline:
-                self.counts["graded"] += 1
                 return bool(grader.is_correct(response, answer, **self.options[task]))
             async with self.slots:
-                self.counts["graded"] += 1
                 future = self.pool.schedule(
                     grade_one, (task, response, answer, self.options[task]), timeout=self.timeout_s
                 )
@@ -94,10 +135,10 @@ class RewardService:
         except Exception as e:  # a grader bug must not take the service down
             self.counts["errors"] += 1
             log.warning("grader error (%s: %s); scored wrong", type(e).__name__, e)
-        return False
+        return None
 
     async def stats(self) -> dict:
-        counts, self.counts = self.counts, {"graded": 0, "timeouts": 0, "errors": 0}
+        counts, self.counts = self.counts, dict.fromkeys(COUNTS, 0)
         return counts
 
     def close(self) -> None:

@@ -4,6 +4,7 @@
                  | "package.module:object"                  (a Task of your own)
         load_task(spec) --> Task
             .generate(dataset_cfg, seed) | .from_record(record)  -> rows (areal.data.dataset)
+            .screen(response, answer)  -> a verdict, or the question for is_correct (service)
             .is_correct(response, answer, **.grader_options(cfg.reward))  (reward service pool,
                                                    or the service itself: .grade_inline)
             .warmup(dataset_cfg, seed)  -> the tiny model's supervised batches (models/tiny.py):
@@ -82,6 +83,11 @@ class Task:
     calls it in its own process. A pool round trip costs more than such a grading (15% of a
     step's throughput with the 145k-parameter model) but is what enforces
     reward.timeout_s, so a grader that parses (math-verify) or runs code keeps the pool."""
+    screen: Callable[[str, Any], bool | tuple] | None = None
+    """(response, answer) -> a first look, cheap and unable to hang, that the reward service
+    takes in its own process before the pool: a bool is the verdict; a tuple is the question
+    is_correct has to answer (math: the boxed answer and the gold one), asked of the pool once
+    and its verdict reused for every response that asks the same (benchmarks/grading.py)."""
     warmup: Callable[[Any, int], Iterator[Batch]] | None = None
     """(dataset_cfg, seed) -> supervised batches for the tiny model (None: no warm-up data;
     a run without model.path then gets the arith model)."""

@@ -29,10 +29,17 @@ def is_correct(response: str, gold: str) -> bool:
     return boxed_answer_matches(response, gold)
 
 
+def screen(response: str, gold: str) -> bool | tuple[str, str]:
+    from areal.reward.math import screen as screen_boxed_answer
+
+    return screen_boxed_answer(response, gold)
+
+
 TASK = Task(
     name="math",
     from_record=from_record,
     record_fields="'problem' and 'answer'",
     is_correct=is_correct,
+    screen=screen,
     grader_imports=("areal.reward.math",),
 )

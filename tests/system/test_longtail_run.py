@@ -43,6 +43,7 @@ def test_longtail_run_is_bounded_interrupted_and_long_tailed(tmp_path):
     assert 10 <= median <= 100, lengths
     # A 16-step asynchronous run trains first on the answers that finish first, so its tail
     # is thinner than the task's (p99 >= 8x the median: tests/unit/test_longtail.py); p99
-    # was 6x to 15x the median in runs of this test.
-    assert p99 >= 4 * median and lengths[-1] >= 10 * median, (median, p99, lengths[-1])
+    # was 4.8x to 15x the median in runs of this test, the longest 6.3x or more (a task
+    # without a tail, such as arith, has both within 2x of its median).
+    assert p99 >= 4 * median and lengths[-1] >= 5 * median, (median, p99, lengths[-1])
     assert lengths[-1] <= 512

@@ -18,6 +18,18 @@ from areal.tasks import Task
 HANG = r"\boxed{10^{10^{10}}}"
 
 
+def one(i: int) -> str:
+    """A right answer to gold "1" that only math-verify recognises: graded in the pool."""
+    return rf"\boxed{{\frac{{{i}}}{{{i}}}}}"
+
+
+def counts_of(graded=0, screened=0, reused=0, timeouts=0, errors=0) -> dict:
+    return {
+        "graded": graded, "screened": screened, "reused": reused,
+        "timeouts": timeouts, "errors": errors,
+    }  # fmt: skip
+
+
 def _shouted(response: str, answer: str, suffix: str = "") -> bool:
     if os.getpid() == MAIN_PID:
         raise AssertionError("graded outside the pool")
@@ -39,20 +51,23 @@ def service(**kw) -> RewardService:
     return RewardService(RewardConfig(**{**args, **kw}))
 
 
-def test_math_rewards_are_plus_and_minus_five():
+def test_math_rewards_are_plus_and_minus_five_and_certain_verdicts_skip_the_pool():
     async def go():
         s = service()
         try:
-            rewards = await s.grade(
-                "math", [r"so \boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{2}", "garbage"], "1/2"
-            )
+            responses = [
+                r"so \boxed{\frac{1}{2}}", r"\boxed{0.5}", r"\boxed{2}", "garbage",
+                r"\boxed{ 1 / 2 }", r"then \boxed{0.5}",
+            ]  # fmt: skip
+            rewards = await s.grade("math", responses, "1/2")
             return rewards, await s.stats()
         finally:
             s.close()
 
     rewards, counts = asyncio.run(go())
-    assert rewards == [5.0, 5.0, -5.0, -5.0]
-    assert counts == {"graded": 4, "timeouts": 0, "errors": 0}
+    assert rewards == [5.0, 5.0, -5.0, -5.0, 5.0, 5.0]
+    # No box and the gold's own string need no sympy; the second 0.5 reuses the first's verdict.
+    assert counts == counts_of(graded=6, screened=2, reused=1)
 
 
 def test_a_grading_timeout_scores_wrong_is_counted_and_spares_the_others():
@@ -60,21 +75,21 @@ def test_a_grading_timeout_scores_wrong_is_counted_and_spares_the_others():
         s = service(timeout_s=1.5)
         try:
             t0 = time.time()
-            rewards = await s.grade("math", [HANG, r"\boxed{1}", r"\boxed{1}", r"\boxed{2}"], "1")
+            rewards = await s.grade("math", [HANG, one(2), one(3), r"\boxed{\frac{4}{5}}"], "1")
             elapsed = time.time() - t0
             first = await s.stats()
-            # The pool was restarted and keeps grading.
-            again = await s.grade("math", [r"\boxed{1}"], "1")
+            # The pool keeps grading; the question that timed out is asked afresh.
+            again = await s.grade("math", [one(5), HANG], "1")
             return rewards, elapsed, first, again, await s.stats()
         finally:
             s.close()
 
     rewards, elapsed, first, again, second = asyncio.run(go())
-    assert rewards == [-5.0, 5.0, 5.0, -5.0]  # responses in flight during the restart regraded
+    assert rewards == [-5.0, 5.0, 5.0, -5.0]
     assert elapsed < 15  # not the hung grading's full run
-    assert first == {"graded": 4, "timeouts": 1, "errors": 0}
-    assert again == [5.0]
-    assert second == {"graded": 1, "timeouts": 0, "errors": 0}  # stats() resets the counts
+    assert first == counts_of(graded=4, timeouts=1)
+    assert again == [5.0, -5.0]
+    assert second == counts_of(graded=2, timeouts=1)  # stats() resets the counts
 
 
 def test_queueing_for_a_busy_pool_is_not_a_timeout():
@@ -110,7 +125,7 @@ def test_a_grader_error_scores_wrong_and_is_counted():
 
     math, code, counts = asyncio.run(go())
     assert math == [-5.0] and code == [-5.0]
-    assert counts == {"graded": 2, "timeouts": 0, "errors": 2}
+    assert counts == counts_of(graded=2, errors=2)
 
 
 def test_code_slower_than_the_service_limit_is_a_timeout():
@@ -160,10 +175,10 @@ def test_a_timeout_replaces_only_the_stuck_grading_process():
         # imports math-verify), so that only the hanging one is cut.
         s = service(n_workers=2, timeout_s=6.0)
         try:
-            await s.grade("math", [r"\boxed{1}", r"\boxed{1}"], "1")
+            await s.grade("math", [one(2), one(3)], "1")
             before = await children_when(lambda c: len(c) == 2)
-            rewards = await s.grade("math", [HANG, r"\boxed{1}"], "1")
-            await s.grade("math", [r"\boxed{1}", r"\boxed{1}"], "1")
+            rewards = await s.grade("math", [HANG, one(4)], "1")
+            await s.grade("math", [one(5), one(6)], "1")
             after = await children_when(lambda c: len(before - c) == 1)
             return before, after, rewards, await s.stats()
         finally:
@@ -189,7 +204,7 @@ def test_a_task_of_ones_own_is_graded_in_the_pool_with_its_options():
 
     rewards, counts = asyncio.run(go())
     assert rewards == [5.0, -5.0, -5.0]
-    assert counts == {"graded": 3, "timeouts": 0, "errors": 0}
+    assert counts == counts_of(graded=3)
 
 
 def _shouted_here(response: str, answer: str, suffix: str = "") -> bool:
@@ -215,4 +230,4 @@ def test_an_inline_grader_runs_in_the_service_with_its_options_and_errors_counte
 
     rewards, arith, counts = asyncio.run(go())
     assert rewards == [5.0, -5.0, -5.0] and arith == [5.0, -5.0]
-    assert counts == {"graded": 5, "timeouts": 0, "errors": 1}
+    assert counts == counts_of(graded=5, errors=1)

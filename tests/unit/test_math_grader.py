@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from areal.reward.math import MAX_RESPONSE_CHARS, is_correct, last_boxed
+from areal.reward.math import MAX_RESPONSE_CHARS, is_correct, last_boxed, screen, verify_answer
 
 
 @pytest.mark.parametrize(
@@ -94,3 +94,43 @@ def test_grading_works_off_the_main_thread():
     t.start()
     t.join()
     assert results == [True]
+
+
+@pytest.mark.parametrize(
+    "response, gold",
+    [
+        (r"\boxed{5}", "5"),
+        (r"\boxed{05}", "5"),
+        (r"\boxed{-0}", "0"),
+        (r"\boxed{7}", "8"),
+        (r"\boxed{12}", "$12$"),
+        (r"\boxed{ \dfrac{1}{2} }", r"\frac{1}{2}"),
+        (r"\boxed{\tfrac12}", r"\frac12"),
+        (r"\boxed{\left(1, 3\right)}", "(1,3)"),
+        (r"\boxed{\left[1, 3\right)}", "[1, 3)"),
+        (r"\boxed{\{1, 2\}}", r"\{1,2\}"),
+        (r"\boxed{x + 1}", "x+1"),
+        (r"\boxed{5\text{ cm}}", r"5\text{ cm}"),
+        (r"\boxed{-12}", "12"),
+    ],
+)
+def test_a_screened_verdict_is_math_verifys(response, gold):
+    """Certain verdicts skip sympy and agree with it: the answer is the gold's own string
+    (spaces, \\dfrac, \\left/\\right aside) or both are integers."""
+    verdict = screen(response, gold)
+    assert isinstance(verdict, bool), verdict
+    assert verdict == verify_answer.__wrapped__(last_boxed(response), gold)
+
+
+@pytest.mark.parametrize(
+    "response, gold",
+    [
+        (r"\boxed{0.5}", r"\frac{1}{2}"),
+        (r"\boxed{1 2}", "12"),  # spaces between digits are not trivially nothing
+        (r"\boxed{\leftarrow}", "arrow"),  # \left only as a size command
+        (r"\boxed{5.0}", "5"),
+        (r"\boxed{2\sqrt{2}}", r"2 \sqrt{2}"),  # a space before a command is kept
+    ],
+)
+def test_anything_else_is_a_question_for_math_verify(response, gold):
+    assert screen(response, gold) == (last_boxed(response), gold)
