@@ -84,7 +84,7 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
         from areal.models.cache import cache_dir, tiny_model  # made once, then cached
 
         m = cfg.model
-        # Tasks without warm-up data (math, code) get the arith model: it knows digits and turns.
+        # A task without warm-up data (code) gets the arith model: it knows digits and turns.
         warm = cfg.dataset.type if task.warmup is not None else "arith"
         path = tiny_model(
             seed=cfg.seed,

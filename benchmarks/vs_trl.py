@@ -2,17 +2,26 @@
 and both against the machine's limit.
 
     pip install -c constraints.txt trl     # the repository's constraints.txt keeps the CPU torch
-    python benchmarks/vs_trl.py [--geometries 145k:32:8:8,4m:128:8:8,4m:64:16:4]
+    python benchmarks/vs_trl.py [--task arith|math] [--geometries 145k:32:8:8,4m:128:8:8,...]
         [--steps 60] [--repeats 1] [--etas 0,4] [--fixed-split] [--limit-steps 3] [--skip-trl]
         [--dtype float32]
 
 A geometry is shape:new:prompts:group: the model shape of benchmarks/engine.py (145k:
 hidden 64, 2 layers; 4m: hidden 256, intermediate 1024, 4 layers), the new tokens per
 answer, prompts per step and samples per prompt. The default is the three of issue 28.
-Both sides train the same random-initialised Qwen2 (the tiny tokenizer) on the tiny task's
-sums (same prompts, same grader), one optimizer step per step (areal: ppo.n_minibatches=1,
+Both sides train the same Qwen2 (the tiny tokenizer) on the same prompts, graded the same way,
+one optimizer step per step (areal: ppo.n_minibatches=1,
 trainer.batch_size=prompts, rollout.group_size=group; TRL: per_device_train_batch_size=
 prompts x group, num_generations=group), temperature 1, no KL term, learning rate 1e-3.
+The task:
+  arith (the default): the tiny task's sums ("3+4="), a random-initialised model, the tiny
+      task's regex grader on both sides;
+  math: the mission's task, sums asked in words inside the math template ("What is 3 + 4?
+      Let's think step by step and output the final answer within \\boxed{}.", chat
+      template around it), a model first warmed up (WARMUP_STEPS supervised steps of the math
+      task's warm-up) to answer in \\boxed{}, graded by math-verify on both sides: areal
+      dataset.type=math through its reward service; TRL its own trl.rewards.accuracy_reward
+      (math-verify), scaled to areal's +5/-5.
 With --dtype bfloat16 both compute in bfloat16: areal model.dtype=bfloat16 (servers in
 bfloat16, the trainer under autocast with float32 weights), TRL bf16=True (autocast), and
 the limit with the engine and trainer in the same dtype.
@@ -66,6 +75,8 @@ from tiny_run import TINY, effective_throughput, train_tiny
 from areal.cores import node_cores
 
 LR, MAX_OPERAND = 1e-3, 5
+WARMUP_STEPS = 200  # the math model's: it boxes its answers (a random one never does)
+TASKS = ("arith", "math")
 GEOMETRIES = "145k:32:8:8,4m:128:8:8,4m:64:16:4"
 
 
@@ -87,11 +98,11 @@ class Geometry:
         return f"{self.shape}:{self.new}:{self.prompts}:{self.group}"
 
 
-def make_model(shape: str, out: Path) -> Path:
+def make_model(shape: str, task: str, out: Path) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from areal.models.tiny import build_tokenizer
+    from areal.models.tiny import _warm_up, build_tokenizer
 
     tok = build_tokenizer(0)
     torch.manual_seed(0)
@@ -100,17 +111,31 @@ def make_model(shape: str, out: Path) -> Path:
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
         **SHAPES[shape][0],
     )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(out)
+    model = Qwen2ForCausalLM(config)
+    if task == "math":
+        _warm_up(model, tok, WARMUP_STEPS, "math", None, seed=0)
+    model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
 
-def areal_overrides(model: Path | str, geo: Geometry, eta: int, dtype: str) -> list[str]:
+def math_records(path: Path, n: int) -> Path:
+    """The math variant's data, one file for both sides."""
+    from areal.tasks.math import sum_records
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in sum_records(n, seed=1)))
+    return path
+
+
+def areal_overrides(model: Path | str, geo: Geometry, eta: int, dtype: str, data: str) -> list[str]:
+    """`data`: the math records' file ("": the arith task)."""
+    task = [f"dataset.options.max_operand={MAX_OPERAND}"]
+    if data:
+        task = ["dataset.type=math", f"dataset.path={data}"]
     return [
         f"model.path={model}", f"model.dtype={dtype}", f"max_staleness={eta}",
         f"rollout.max_new_tokens={geo.new}", f"rollout.group_size={geo.group}",
-        f"trainer.batch_size={geo.prompts}",
-        f"dataset.options.max_operand={MAX_OPERAND}", "ppo.n_minibatches=1", f"trainer.lr={LR}",
+        f"trainer.batch_size={geo.prompts}", *task, "ppo.n_minibatches=1", f"trainer.lr={LR}",
         "trainer.warmup_steps_ratio=0", "trainer.mb_spec.max_tokens_per_mb=8192",
     ]  # fmt: skip
 
@@ -127,8 +152,9 @@ def run_areal(
     name: str,
     extra: list[str],
     dtype: str,
+    data: str,
 ) -> float:
-    overrides = areal_overrides(model, geo, eta, dtype) + extra
+    overrides = areal_overrides(model, geo, eta, dtype, data) + extra
     return effective_throughput(train_tiny(root, name, steps, overrides))
 
 
@@ -141,16 +167,16 @@ def worker(*args: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def run_trl(model: Path, geo: Geometry, steps: int, dtype: str, out: str) -> float:
-    return float(worker("--trl-worker", str(model), str(geo), str(steps), dtype, out))
+def run_trl(model: Path, geo: Geometry, steps: int, dtype: str, data: str, out: str) -> float:
+    return float(worker("--trl-worker", str(model), str(geo), str(steps), dtype, data, out))
 
 
-def run_limit(model: Path, geo: Geometry, steps: int, dtype: str) -> dict[str, float]:
+def run_limit(model: Path, geo: Geometry, steps: int, dtype: str, data: str) -> dict[str, float]:
     """{"gen_s", "train_s" (core-seconds), "tokens"} per step, medians."""
-    return json.loads(worker("--limit-worker", str(model), str(geo), str(steps), dtype))
+    return json.loads(worker("--limit-worker", str(model), str(geo), str(steps), dtype, data))
 
 
-def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, out: str) -> None:
+def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str, out: str) -> None:
     # This script's folder leaves the import path: its vllm.py would pass for vLLM in
     # TRL's availability check (and fail it: no version).
     here = Path(__file__).resolve().parent
@@ -161,15 +187,28 @@ def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, out: str) -> N
 
     from areal.tasks.arith import is_correct, make_problems
 
-    rows = make_problems(geo.prompts * (steps + 2), MAX_OPERAND, seed=1)
-    data = Dataset.from_list(
+    if data:  # the math task: its template, TRL's own math-verify reward
+        from trl.rewards import accuracy_reward
+
+        from areal.tasks.math import from_record
+
+        records = [json.loads(line) for line in Path(data).read_text().splitlines()]
+        rows = [from_record(r) for r in records]
+
+        def reward(completions, answer, **_):
+            right = accuracy_reward(completions, answer)
+            return [5.0 if r == 1.0 else -5.0 for r in right]
+    else:
+        rows = make_problems(geo.prompts * (steps + 2), MAX_OPERAND, seed=1)
+
+        def reward(completions, answer, **_):
+            pairs = zip(completions, answer, strict=True)
+            return [5.0 if is_correct(c[0]["content"], a) else -5.0 for c, a in pairs]
+
+    dataset = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
          for r in rows]
     )  # fmt: skip
-
-    def reward(completions, answer, **_):
-        pairs = zip(completions, answer, strict=True)
-        return [5.0 if is_correct(c[0]["content"], a) else -5.0 for c, a in pairs]
 
     marks: list[tuple[float, float]] = []
 
@@ -189,14 +228,14 @@ def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, out: str) -> N
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model),
         processing_class=AutoTokenizer.from_pretrained(model),
-        reward_funcs=reward, args=config, train_dataset=data, callbacks=[Clock()],
+        reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[Clock()],
     )  # fmt: skip
     trainer.train()
     steps = [{"time": t, "train/n_tokens": length * batch} for t, length in marks]
     print(effective_throughput(steps))
 
 
-def limit_worker(model: str, geo: Geometry, steps: int, dtype: str) -> None:
+def limit_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str) -> None:
     """One thread: the engine generates a step's batch, the trainer trains on it; prints
     the medians of --limit-steps steps after one warm-up, as JSON."""
     import torch
@@ -213,7 +252,7 @@ def limit_worker(model: str, geo: Geometry, steps: int, dtype: str) -> None:
     from areal.trajectory import Trajectory
 
     torch.set_num_threads(1)
-    overrides = [*areal_overrides(model, geo, 0, dtype), f"total_train_steps={steps + 1}"]
+    overrides = [*areal_overrides(model, geo, 0, dtype, data), f"total_train_steps={steps + 1}"]
     cfg = load_config(str(TINY), overrides)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -264,14 +303,15 @@ def limit_worker(model: str, geo: Geometry, steps: int, dtype: str) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("--trl-worker", "--limit-worker"):
-        model, geo, steps, dtype, *rest = sys.argv[2:]
+        model, geo, steps, dtype, data, *rest = sys.argv[2:]
         geo = Geometry.parse(geo)
         if sys.argv[1] == "--trl-worker":
-            trl_worker(model, geo, int(steps), dtype, rest[0])
+            trl_worker(model, geo, int(steps), dtype, data, rest[0])
         else:
-            limit_worker(model, geo, int(steps), dtype)
+            limit_worker(model, geo, int(steps), dtype, data)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", choices=TASKS, default="arith")
     parser.add_argument(
         "--geometries", default=GEOMETRIES, help="shape:new:prompts:group, comma-separated"
     )
@@ -296,24 +336,33 @@ def main() -> None:
     cores = node_cores()
     rows = []
     with tempfile.TemporaryDirectory() as root:
+        data = str(math_records(Path(root) / "math.jsonl", 4096)) if args.task == "math" else ""
         models: dict[str, Path] = {}
         for geo in geometries:
             if geo.shape not in models:
-                models[geo.shape] = make_model(geo.shape, Path(root) / f"model-{geo.shape}")
+                models[geo.shape] = make_model(geo.shape, args.task, Path(root) / geo.shape)
             model = models[geo.shape]
             res: dict[str, list[float]] = {"trl": [], **{v[0]: [] for v in variants}, "limit": []}
             for r in range(args.repeats):  # interleaved: all see the same machine
                 tag = f"{geo.shape}-{geo.new}-{geo.prompts}x{geo.group}-{r}"
                 if not args.skip_trl:
-                    trl = run_trl(model, geo, args.steps, args.dtype, f"{root}/trl-{tag}")
+                    trl = run_trl(model, geo, args.steps, args.dtype, data, f"{root}/trl-{tag}")
                     res["trl"].append(trl)
                 for name, eta, extra in variants:
                     res[name].append(
                         run_areal(
-                            model, geo, eta, args.steps, root, f"{tag}-{name}", extra, args.dtype
+                            model,
+                            geo,
+                            eta,
+                            args.steps,
+                            root,
+                            f"{tag}-{name}",
+                            extra,
+                            args.dtype,
+                            data,
                         )
                     )
-                lim = run_limit(model, geo, args.limit_steps, args.dtype)
+                lim = run_limit(model, geo, args.limit_steps, args.dtype, data)
                 res["limit"].append(lim["tokens"] / ((lim["gen_s"] + lim["train_s"]) / cores))
                 print(
                     f"  {geo} repeat {r}: "
@@ -323,6 +372,7 @@ def main() -> None:
                     flush=True,
                 )
             rows.append((geo, {k: statistics.median(v) if v else None for k, v in res.items()}))
+    print(f"task {args.task}")
     print_table(rows, [name for name, _, _ in variants], cores)
 
 

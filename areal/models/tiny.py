@@ -114,8 +114,12 @@ def build_tokenizer(seed: int = 0, texts: Sequence[str] = ()) -> PreTrainedToken
 
 
 def _warmup_batches(task: str, options: dict | None, seed: int) -> Iterator[Batch]:
-    """The task's warm-up batches under its dataset.options (None: the task's defaults)."""
-    return load_task(task).warmup(DatasetConfig(type=task, options=options or {}), seed)
+    """The task's warm-up batches under its dataset.options (None: the task's defaults).
+    A warm-up reads no dataset file (the model is cached by task and options, not by data):
+    a task that needs one is given os.devnull to satisfy the section's rule."""
+    spec = load_task(task)
+    path = os.devnull if spec.needs_path else ""
+    return spec.warmup(DatasetConfig(type=task, path=path, options=options or {}), seed)
 
 
 def episode_texts(task: str, options: dict | None, seed: int, n_batches: int = 8) -> list[str]:
