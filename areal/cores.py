@@ -34,6 +34,14 @@ every update interrupts them all and the re-prefills keep the server busy: nothi
 A role that computes on lent shares records it as a `borrow` span (areal/events.py), with
 `lent` the shares borrowed: the report's timeline then counts a lane that waits while its
 core computes for a peer as lent, not idle.
+
+The reward service's grading pool computes too (sympy under math-verify, a sandboxed
+program), in bursts and without a share of its own: its slot, after the roles', holds the
+cores its grading processes use at the moment, and borrowers leave those to it (a borrowed
+thread beside a grading process would stretch every layer of a training step). Graded
+cheaply (areal/reward/service.py screens most math answers) it holds none.
+
+    grading slot (the last): [0, cores grading now]    (zeros: nothing grading)
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import mmap
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,6 +68,9 @@ CPU_LEDGER_ENV = "AREAL_CPU_LEDGER"
 """Set with launcher.lend_idle_cores: the path of the node's ledger..."""
 CPU_SLOT_ENV = "AREAL_CPU_SLOT"
 """...and the step's slot in it (its index among the computing steps of its node)."""
+CPU_GRADING_ENV = "AREAL_CPU_GRADING"
+"""Set on the reward service where it shares a lending node: the grading slot's index (the
+number of computing steps of its node)."""
 
 BORROW_AFTER_S = 0.05
 """A peer's share is borrowed once it has waited this long (not in the gaps of its work)."""
@@ -153,6 +165,46 @@ def _remove(ledger: Path) -> None:
         os.unlink(ledger)
 
 
+def _open_ledger(ledger: Path, slots: int) -> memoryview:
+    size = 16 * slots
+    fd = os.open(ledger, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)  # zeros: every role working, nothing lent or grading
+        view = memoryview(mmap.mmap(fd, size)).cast("d")
+    finally:
+        os.close(fd)
+    atexit.register(_remove, ledger)
+    return view
+
+
+class Grading:
+    """The reward service's grading slot: how many cores its grading processes use now
+    (a no-op where the launcher gave it none: a GPU node, a fixed split)."""
+
+    def __init__(self) -> None:
+        self.busy = 0
+        self._ledger: memoryview | None = None
+        ledger, slot = os.environ.get(CPU_LEDGER_ENV), os.environ.get(CPU_GRADING_ENV)
+        if ledger and slot is not None:
+            self._slot = int(slot)
+            self._ledger = _open_ledger(Path(ledger), self._slot + 1)
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Around one grading in the pool."""
+        self._add(1)
+        try:
+            yield
+        finally:
+            self._add(-1)
+
+    def _add(self, n: int) -> None:
+        self.busy += n
+        if self._ledger is not None:
+            self._ledger[2 * self._slot + 1] = min(self.busy, node_cores())
+
+
 class Cores:
     """This process's torch threads: `share` always, plus the shares that waiting peers lend
     (without a ledger, `share` alone: a fixed split)."""
@@ -170,16 +222,9 @@ class Cores:
         self._thread_s = self._work_s = 0.0
         self._ledger: memoryview | None = None
         self._peers = [i for i in range(roles) if i != slot]
+        self._grading = roles  # the grading slot
         if ledger is not None and roles > 1:
-            size = 16 * roles
-            fd = os.open(ledger, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if os.fstat(fd).st_size < size:
-                    os.ftruncate(fd, size)  # zeros: every role working, nothing lent
-                self._ledger = memoryview(mmap.mmap(fd, size)).cast("d")
-            finally:
-                os.close(fd)
-            atexit.register(_remove, ledger)
+            self._ledger = _open_ledger(ledger, roles + 1)
         self._set(self.share)
 
     def work(self) -> None:
@@ -219,7 +264,8 @@ class Cores:
             now, ledger = time.monotonic(), self._ledger
             holders = [self.slot]
             holders += [i for i in self._peers if not 0 < ledger[2 * i] <= now - BORROW_AFTER_S]
-            extra, rest = divmod(max(0, self.limit - self.share * len(holders)), len(holders))
+            free = self.limit - self.share * len(holders) - int(ledger[2 * self._grading + 1])
+            extra, rest = divmod(max(0, free), len(holders))
             extra += sorted(holders).index(self.slot) < rest
             self._set(self.share + extra)
             if self.threads > self.share and self._borrowing_since is None:

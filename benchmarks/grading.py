@@ -1,7 +1,16 @@
-"""Graded responses per second through the RewardService: math against code, pool of 1
-against a pool of --workers, measured side by side in one run.
+"""Graded responses per second through the RewardService: math graded as areal grades it
+(screened, math-verify's verdicts reused) against math-verify for every response as before;
+math against code, pool of 1 against a pool of --workers; side by side in one run.
 
     python benchmarks/grading.py [--responses 64] [--workers 2]
+
+Screening, two math workloads: "policy", the answers of a policy learning the tiny math
+task (sums asked in words, benchmarks/vs_trl.py --task math): a group's 8 answers to one
+prompt, the gold sum half of the time, another small integer otherwise, one in ten without
+a box; "forms", every response a distinct equivalent form (fractions, sets, intervals,
+radicals, polynomials; one wrong), which only math-verify can grade. For each: responses/s
+with and without screening, the share graded without the pool (screened or reused), and
+whether every verdict is the same.
 
 Math responses are boxed answers in varied equivalent forms (as a policy writes them after
 long reasoning); code responses are correct programs run against the sample rows' tests in
@@ -14,13 +23,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import random
 import time
 from pathlib import Path
 
 from areal.config import RewardConfig
 from areal.reward import sandbox
+from areal.reward.math import MAX_ANSWER_CHARS, last_boxed, verify_answer
 from areal.reward.service import RewardService
+from areal.tasks import load_task
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 8
@@ -46,10 +59,36 @@ CODE = [
 ]
 
 
+def math_verify_only(response: str, gold: str) -> bool:
+    """Math grading before screening: every boxed answer to math-verify, nothing kept."""
+    answer = last_boxed(response)
+    if answer is None or not answer.strip() or len(answer) > MAX_ANSWER_CHARS:
+        return False
+    return verify_answer.__wrapped__(answer, gold)
+
+
+MATH_UNSCREENED = dataclasses.replace(
+    load_task("math"), name="math_unscreened", screen=None, is_correct=math_verify_only
+)
+"""The "before" variant, loaded by the pool as grading:MATH_UNSCREENED."""
+
+
 def workload(task: str, n: int, first: int = 1) -> list[tuple[list[str], object]]:
     """Groups (responses, answer) of GROUP responses each, n responses in all."""
     groups = []
-    if task == "math":
+    if task == "policy":
+        rng = random.Random(first)
+        for _ in range(n // GROUP):
+            a, b = rng.randint(0, 5), rng.randint(0, 5)
+            answers = [a + b if rng.random() < 0.5 else rng.randint(0, 10) for _ in range(GROUP)]
+            steps = f"We add {a} and {b}: {a} + {b} = "
+            responses = [
+                f"{steps}{x}. The answer is "
+                + (rf"\boxed{{{x}}}." if rng.random() < 0.9 else f"{x}.")
+                for x in answers
+            ]
+            groups.append((responses, str(a + b)))
+    elif task in ("math", "forms"):
         filler = "Let me think step by step. " * 200  # long reasoning before the answer
         for g in range(n // GROUP):
             make = MATH[g % len(MATH)]
@@ -65,7 +104,9 @@ def workload(task: str, n: int, first: int = 1) -> list[tuple[list[str], object]
     return groups
 
 
-async def measure(task: str, n: int, workers: int) -> dict:
+async def measure(task: str, n: int, workers: int, grader: str = "") -> dict:
+    """`task`: the workload; `grader`: the task that grades it (default: the workload's)."""
+    grader = grader or {"policy": "math", "forms": "math"}.get(task, task)
     service = RewardService(
         RewardConfig(n_workers=workers, timeout_s=30.0, correct=5.0, wrong=-5.0)
     )
@@ -73,11 +114,11 @@ async def measure(task: str, n: int, workers: int) -> dict:
         # Warm-up, the workload once: every pool process starts, imports its grader and
         # fills math-verify's caches (sympy and the LaTeX parser are slow the first time).
         warm = workload(task, n, first=100_000)
-        await asyncio.gather(*(service.grade(task, r, a) for r, a in warm))
+        await asyncio.gather(*(service.grade(grader, r, a) for r, a in warm))
         await service.stats()
         groups = workload(task, n)
         t0 = time.perf_counter()
-        rewards = await asyncio.gather(*(service.grade(task, r, a) for r, a in groups))
+        rewards = await asyncio.gather(*(service.grade(grader, r, a) for r, a in groups))
         seconds = time.perf_counter() - t0
         counts = await service.stats()
     finally:
@@ -89,6 +130,8 @@ async def measure(task: str, n: int, workers: int) -> dict:
         "correct": sum(r > 0 for r in flat) / len(flat),
         "timeouts": counts["timeouts"],
         "errors": counts["errors"],
+        "without_pool": (counts["screened"] + counts["reused"]) / counts["graded"],
+        "rewards": flat,
     }
 
 
@@ -98,6 +141,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="pool size of the n variant")
     args = parser.parse_args()
     print(f"sandbox: {sandbox.mode()}; {args.responses} responses per variant, groups of {GROUP}")
+    w = args.workers
+    print(f"math screening (pool of {w}):")
+    print(f"{'workload':<9} {'before /s':>10} {'after /s':>10} {'ratio':>7} {'no pool':>8} same")
+    for task in ("policy", "forms"):
+        before = asyncio.run(measure(task, args.responses, w, "grading:MATH_UNSCREENED"))
+        after = asyncio.run(measure(task, args.responses, w))
+        print(
+            f"{task:<9} {before['per_s']:>10.1f} {after['per_s']:>10.1f} "
+            f"{after['per_s'] / before['per_s']:>6.1f}x {after['without_pool']:>8.0%} "
+            f"{before['rewards'] == after['rewards']}"
+        )
     results = {}
     for task in ("math", "code"):
         for workers in (1, args.workers):
@@ -109,7 +163,6 @@ def main() -> None:
             f"{task:<6} {workers:>5} {m['per_s']:>12.1f} {m['seconds']:>8.2f} "
             f"{m['correct']:>8.2f} {m['timeouts']:>4},{m['errors']:<3}"
         )
-    w = args.workers
     for task in ("math", "code"):
         ratio = results[task, w]["per_s"] / results[task, 1]["per_s"]
         print(f"{task}: pool of {w} / pool of 1: {ratio:.2f}x")

@@ -12,7 +12,7 @@ answer, prompts per step and samples per prompt. The default is the three of iss
 Both sides train the same Qwen2 (the tiny tokenizer) on the same prompts, graded the same way,
 one optimizer step per step (areal: ppo.n_minibatches=1,
 trainer.batch_size=prompts, rollout.group_size=group; TRL: per_device_train_batch_size=
-prompts x group, num_generations=group), temperature 1, no KL term, learning rate 1e-3.
+prompts x group, num_generations=group), temperature 1, no KL term, learning rate LR.
 The task:
   arith (the default): the tiny task's sums ("3+4="), a random-initialised model, the tiny
       task's regex grader on both sides;
@@ -36,22 +36,26 @@ cores (TRL with torch's default threads; areal's roles split the cores,
 inference.num_threads / trainer.num_threads = 0, and lend them to each other while they
 wait, launcher.lend_idle_cores).
 
-The machine's limit: on C cores (C = the process's CPU affinity) a step cannot take less
-than (core-seconds of generation + core-seconds of training) / C. Both are measured in a
-process of their own with torch on one thread: generation by areal's engine alone
+The machine's limit, for each run at the answer lengths it trained on (RL changes them: on
+the math task at lr 1e-3 answers grow from ~25 tokens to the 128 allowed within ten steps):
+on C cores (C = the process's CPU affinity) a step cannot take less than (core-seconds of
+generation + core-seconds of training) / C. Both are measured in a process of their own
+with torch on one thread, on --limit-steps of the run's steps (evenly spread over the
+measured ones, after one warm-up step): generation by areal's engine alone
 (areal.rollout.engine.DecodeEngine in process, as the server builds it), the step's
-prompts x group requests made from the run's task prompts and tokenizer (chat template),
-temperature 1, max_new_tokens = the geometry's new tokens, all submitted at once; training
-by areal's trainer alone on that batch: make_backend and train_step with the trainer's own
-arguments for the run's config (trainer/worker.py's _step_args; with one minibatch and no
+requests made from the run's task prompts and tokenizer (chat template), temperature 1,
+each generating exactly its answer's length in the run (ignore_eos; TRL logs a step's mean
+length only, so its answers are all that long), all submitted at once; training by areal's
+trainer alone on that batch: make_backend and train_step with the trainer's own arguments
+for the run's config (trainer/worker.py's _step_args; with one minibatch and no
 behaviour-weight cap the update's forward gives the proximal log-probs, so there is no
 separate proximal pass), mb_spec max_tokens_per_mb=8192. Core-seconds are the process's
-CPU time; medians of --limit-steps steps after one warm-up. Limit tok/s = completion
-tokens per step / ((gen + train core-seconds) / C).
+CPU time; medians over those steps. Limit tok/s = completion tokens per step / ((gen +
+train core-seconds) / C).
 
 Prints a line per repeat (the variants interleaved, so all see the same machine), then the
-table: TRL, areal at each eta and the limit in tok/s, the fraction of the limit each
-reaches, and the ratios areal/TRL; with --repeats > 1, medians. --skip-trl measures areal
+table: TRL and areal at each eta in tok/s, the fraction of its own limit each reaches, and
+the ratios areal/TRL; with --repeats > 1, medians. --skip-trl measures areal
 and the limit without TRL installed.
 
 TRL is a benchmark dependency only: nothing in areal imports it.
@@ -69,12 +73,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from engine import SHAPES  # the same model shapes
 from tiny_run import TINY, effective_throughput, train_tiny
 
 from areal.cores import node_cores
 
-LR, MAX_OPERAND = 1e-3, 5
+MAX_OPERAND = 5
+# Learning rates: the tiny task's; on the math task's longer answers 1e-3 drives the warmed-up
+# policy within ten steps to 128-token answers without a box (reward -5 throughout).
+LR = {"arith": 1e-3, "math": 1e-4}
 WARMUP_STEPS = 200  # the math model's: it boxes its answers (a random one never does)
 TASKS = ("arith", "math")
 GEOMETRIES = "145k:32:8:8,4m:128:8:8,4m:64:16:4"
@@ -135,12 +143,20 @@ def areal_overrides(model: Path | str, geo: Geometry, eta: int, dtype: str, data
     return [
         f"model.path={model}", f"model.dtype={dtype}", f"max_staleness={eta}",
         f"rollout.max_new_tokens={geo.new}", f"rollout.group_size={geo.group}",
-        f"trainer.batch_size={geo.prompts}", *task, "ppo.n_minibatches=1", f"trainer.lr={LR}",
+        f"trainer.batch_size={geo.prompts}", *task, "ppo.n_minibatches=1",
+        f"trainer.lr={LR['math' if data else 'arith']}",
         "trainer.warmup_steps_ratio=0", "trainer.mb_spec.max_tokens_per_mb=8192",
     ]  # fmt: skip
 
 
 FIXED_SPLIT = ["launcher.lend_idle_cores=false"]
+
+
+def measured_steps(lengths: list, n: int) -> list:
+    """n + 1 of a run's steps (the first a warm-up), evenly spread over the measured ones
+    (effective_throughput leaves out the first fifth)."""
+    kept = lengths[len(lengths) // 5 :]
+    return [kept[round(i * (len(kept) - 1) / n)] for i in range(n + 1)]
 
 
 def run_areal(
@@ -153,9 +169,13 @@ def run_areal(
     extra: list[str],
     dtype: str,
     data: str,
-) -> float:
+) -> tuple[float, list[list[int]]]:
+    """Effective throughput and every step's answer lengths."""
     overrides = areal_overrides(model, geo, eta, dtype, data) + extra
-    return effective_throughput(train_tiny(root, name, steps, overrides))
+    tok_s = effective_throughput(train_tiny(root, name, steps, overrides))
+    run = Path(root) / yaml.safe_load(TINY.read_text())["experiment_name"] / name
+    batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
+    return tok_s, [b["output_len"] for b in batches]
 
 
 def worker(*args: str) -> str:
@@ -167,13 +187,26 @@ def worker(*args: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def run_trl(model: Path, geo: Geometry, steps: int, dtype: str, data: str, out: str) -> float:
-    return float(worker("--trl-worker", str(model), str(geo), str(steps), dtype, data, out))
+def run_trl(
+    model: Path, geo: Geometry, steps: int, dtype: str, data: str, out: str
+) -> tuple[float, list[list[int]]]:
+    """Effective throughput and every step's answer lengths (each its step's mean)."""
+    found = json.loads(worker("--trl-worker", str(model), str(geo), str(steps), dtype, data, out))
+    batch = geo.prompts * geo.group
+    return found["tok_s"], [[round(mean)] * batch for mean in found["mean_lengths"]]
 
 
-def run_limit(model: Path, geo: Geometry, steps: int, dtype: str, data: str) -> dict[str, float]:
-    """{"gen_s", "train_s" (core-seconds), "tokens"} per step, medians."""
-    return json.loads(worker("--limit-worker", str(model), str(geo), str(steps), dtype, data))
+def run_limit(
+    model: Path, geo: Geometry, lengths: list[list[int]], dtype: str, data: str, out: str
+) -> dict[str, float]:
+    """{"gen_s", "train_s" (core-seconds), "tokens"} per step at these steps' answer
+    lengths (the first a warm-up), medians."""
+    Path(out).write_text(json.dumps(lengths))
+    return json.loads(worker("--limit-worker", str(model), str(geo), out, dtype, data))
+
+
+def limit_tok_s(lim: dict[str, float], cores: int) -> float:
+    return lim["tokens"] / ((lim["gen_s"] + lim["train_s"]) / cores)
 
 
 def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str, out: str) -> None:
@@ -220,7 +253,8 @@ def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str, out
     batch = geo.prompts * geo.group
     config = GRPOConfig(
         output_dir=out, per_device_train_batch_size=batch, num_generations=geo.group,
-        max_completion_length=geo.new, learning_rate=LR, beta=0.0, temperature=1.0,
+        max_completion_length=geo.new, learning_rate=LR["math" if data else "arith"], beta=0.0,
+        temperature=1.0,
         logging_steps=1, max_steps=steps, report_to="none", save_strategy="no", use_cpu=True,
         lr_scheduler_type="constant", warmup_steps=0, disable_tqdm=True, seed=1,
         bf16=dtype == "bfloat16",
@@ -232,12 +266,12 @@ def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str, out
     )  # fmt: skip
     trainer.train()
     steps = [{"time": t, "train/n_tokens": length * batch} for t, length in marks]
-    print(effective_throughput(steps))
+    print(json.dumps({"tok_s": effective_throughput(steps), "mean_lengths": [m for _, m in marks]}))
 
 
-def limit_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str) -> None:
-    """One thread: the engine generates a step's batch, the trainer trains on it; prints
-    the medians of --limit-steps steps after one warm-up, as JSON."""
+def limit_worker(model: str, geo: Geometry, lengths_file: str, dtype: str, data: str) -> None:
+    """One thread: the engine generates a step's batch at the given answer lengths, the
+    trainer trains on it; prints the medians of the steps after the first, as JSON."""
     import torch
     from transformers import AutoTokenizer
 
@@ -252,7 +286,8 @@ def limit_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str) -
     from areal.trajectory import Trajectory
 
     torch.set_num_threads(1)
-    overrides = [*areal_overrides(model, geo, 0, dtype, data), f"total_train_steps={steps + 1}"]
+    lengths = json.loads(Path(lengths_file).read_text())
+    overrides = [*areal_overrides(model, geo, 0, dtype, data), f"total_train_steps={len(lengths)}"]
     cfg = load_config(str(TINY), overrides)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -264,16 +299,17 @@ def limit_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str) -
         seed=cfg.seed, num_threads=1, dtype=getattr(torch, dtype),
     )  # fmt: skip
     backend, dp = make_backend(cfg, model, DataParallel())
-    params = SamplingParams(max_new_tokens=geo.new, temperature=cfg.rollout.temperature)
     gen_s, train_s, tokens = [], [], []
-    for step in range(steps + 1):  # step 0: warm-up
-        batch = rows[step * geo.prompts : (step + 1) * geo.prompts]
+    for step, answers in enumerate(lengths):  # step 0: warm-up
         c0 = time.process_time()
-        futures = [
-            (p, row, engine.submit(f"{step}-{p}-{g}", row["prompt_ids"], params))
-            for p, row in enumerate(batch)
-            for g in range(geo.group)
-        ]
+        futures = []
+        for j, n in enumerate(answers):
+            p = j // geo.group
+            row = rows[(step * geo.prompts + p) % len(rows)]
+            params = SamplingParams(
+                max_new_tokens=max(1, n), temperature=cfg.rollout.temperature, ignore_eos=True
+            )
+            futures.append((p, row, engine.submit(f"{step}-{j}", row["prompt_ids"], params)))
         results = [(p, row, f.result(timeout=600)) for p, row, f in futures]
         c1 = time.process_time()
         trajs = []
@@ -308,7 +344,7 @@ def main() -> None:
         if sys.argv[1] == "--trl-worker":
             trl_worker(model, geo, int(steps), dtype, data, rest[0])
         else:
-            limit_worker(model, geo, int(steps), dtype, data)
+            limit_worker(model, geo, steps, dtype, data)  # steps: the lengths' file
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=TASKS, default="arith")
@@ -342,53 +378,47 @@ def main() -> None:
             if geo.shape not in models:
                 models[geo.shape] = make_model(geo.shape, args.task, Path(root) / geo.shape)
             model = models[geo.shape]
-            res: dict[str, list[float]] = {"trl": [], **{v[0]: [] for v in variants}, "limit": []}
+            sides = ([] if args.skip_trl else ["trl"]) + [name for name, _, _ in variants]
+            res: dict[str, list[float]] = {k: [] for s in sides for k in (s, f"{s}/limit")}
             for r in range(args.repeats):  # interleaved: all see the same machine
                 tag = f"{geo.shape}-{geo.new}-{geo.prompts}x{geo.group}-{r}"
+                runs = {}
                 if not args.skip_trl:
-                    trl = run_trl(model, geo, args.steps, args.dtype, data, f"{root}/trl-{tag}")
-                    res["trl"].append(trl)
+                    runs["trl"] = run_trl(model, geo, args.steps, args.dtype, data, f"{root}/{tag}")
                 for name, eta, extra in variants:
-                    res[name].append(
-                        run_areal(
-                            model,
-                            geo,
-                            eta,
-                            args.steps,
-                            root,
-                            f"{tag}-{name}",
-                            extra,
-                            args.dtype,
-                            data,
-                        )
+                    runs[name] = run_areal(
+                        model, geo, eta, args.steps, root, f"{tag}-{name}", extra, args.dtype, data
                     )
-                lim = run_limit(model, geo, args.limit_steps, args.dtype, data)
-                res["limit"].append(lim["tokens"] / ((lim["gen_s"] + lim["train_s"]) / cores))
-                print(
-                    f"  {geo} repeat {r}: "
-                    + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in res.items() if v)
-                    + f" (one thread: generation {lim['gen_s']:.2f} + training "
-                    f"{lim['train_s']:.2f} core-s for {lim['tokens']:.0f} tokens, {cores} cores)",
-                    flush=True,
-                )
-            rows.append((geo, {k: statistics.median(v) if v else None for k, v in res.items()}))
-    print(f"task {args.task}")
-    print_table(rows, [name for name, _, _ in variants], cores)
+                line = []
+                for side, (tok_s, lengths) in runs.items():
+                    steps = measured_steps(lengths, args.limit_steps)
+                    lim = run_limit(model, geo, steps, args.dtype, data, f"{root}/{tag}.json")
+                    res[side].append(tok_s)
+                    res[f"{side}/limit"].append(tok_s / limit_tok_s(lim, cores))
+                    line.append(
+                        f"{side} {tok_s:.0f} tok/s, {res[f'{side}/limit'][-1]:.0%} of its limit "
+                        f"(answers {lim['tokens'] / len(steps[0]):.0f} tokens; one thread: "
+                        f"generation {lim['gen_s']:.2f} + training {lim['train_s']:.2f} core-s)"
+                    )
+                print(f"  {geo} repeat {r}: " + "; ".join(line), flush=True)
+            rows.append((geo, {k: statistics.median(v) for k, v in res.items()}))
+    print(f"task {args.task}, {cores} cores")
+    print_table(rows, [name for name, _, _ in variants])
 
 
-def print_table(rows: list, names: list[str], cores: int) -> None:
-    """tok/s of TRL, areal's variants and the limit; fractions of the limit; areal/TRL."""
-    cols = [("TRL tok/s", "{:.0f}", lambda m: m["trl"])]
+def print_table(rows: list, names: list[str]) -> None:
+    """tok/s of TRL and areal's variants; the fraction of its limit each reaches; areal/TRL."""
+    trl = "trl" in rows[0][1]
+    cols = [("TRL tok/s", "{:.0f}", lambda m: m["trl"])] if trl else []
     cols += [(f"areal {n}", "{:.0f}", lambda m, n=n: m[n]) for n in names]
-    cols += [("limit tok/s", "{:.0f}", lambda m: m["limit"])]
-    cols += [("TRL/limit", "{:.2f}", lambda m: m["trl"] and m["trl"] / m["limit"])]
-    cols += [(f"{n}/limit", "{:.2f}", lambda m, n=n: m[n] / m["limit"]) for n in names]
-    cols += [(f"{n}/TRL", "{:.2f}x", lambda m, n=n: m["trl"] and m[n] / m["trl"]) for n in names]
-    print(f"{cores} cores; limit = completion tokens / ((generation + training core-s) / cores)")
+    cols += [("TRL/limit", "{:.2f}", lambda m: m["trl/limit"])] if trl else []
+    cols += [(f"{n}/limit", "{:.2f}", lambda m, n=n: m[f"{n}/limit"]) for n in names]
+    if trl:
+        cols += [(f"{n}/TRL", "{:.2f}x", lambda m, n=n: m[n] / m["trl"]) for n in names]
+    print("limit = completion tokens / ((generation + training core-s) / cores), per run")
     print(f"{'geometry':<14}" + "".join(f" {name:>12}" for name, _, _ in cols))
     for geo, m in rows:
-        cells = ["-" if (v := get(m)) is None else spec.format(v) for _, spec, get in cols]
-        print(f"{str(geo):<14}" + "".join(f" {c:>12}" for c in cells))
+        print(f"{str(geo):<14}" + "".join(f" {spec.format(get(m)):>12}" for _, spec, get in cols))
 
 
 if __name__ == "__main__":

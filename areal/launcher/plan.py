@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from areal.config import ConfigError, ExperimentConfig
-from areal.cores import CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV, ledger_path
+from areal.cores import CPU_GRADING_ENV, CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV, ledger_path
 from areal.rollout.backends import load_backend
 
 
@@ -134,7 +134,12 @@ def make_plan(
     for k, (node, gpus, first) in enumerate(inference):
         steps.append(Step("server", k, node, gpus, _ids(gpus, first), share(node, gpus, sharing)))
     # Service roles share the first node's CPUs; each rollout worker sits beside its server.
-    steps.append(Step("reward", 0, nodes[0]))
+    # Beside lending roles, the reward service says in the ledger what its grading uses.
+    grading = {}
+    if lend and nodes[0] in sharing:
+        grading = {CPU_LEDGER_ENV: ledger_path(cfg.exp_dir)}
+        grading[CPU_GRADING_ENV] = str(sharing.count(nodes[0]))
+    steps.append(Step("reward", 0, nodes[0], env=grading))
     for k, (node, *_) in enumerate(inference):
         steps.append(Step("rollout", k, node))
     steps.append(Step("controller", 0, nodes[0]))

@@ -32,6 +32,7 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 
 from areal.config import RewardConfig
+from areal.cores import Grading
 from areal.process import die_with_parent
 from areal.reward import sandbox
 from areal.tasks import load_task
@@ -73,6 +74,7 @@ class RewardService:
         # At most one grading per pool process is submitted, so that a response's time
         # limit counts its own grading, never its wait in the pool's queue.
         self.slots = asyncio.Semaphore(cfg.n_workers)
+        self.grading = Grading()  # the cores the pool uses, in the node's ledger (cores.py)
         self.verdicts: OrderedDict[tuple, asyncio.Future[bool]] = OrderedDict()
         self.counts = dict.fromkeys(COUNTS, 0)
 
@@ -125,7 +127,8 @@ class RewardService:
                 future = self.pool.schedule(
                     grade_one, (task, response, answer, self.options[task]), timeout=self.timeout_s
                 )
-                return await asyncio.wrap_future(future)
+                with self.grading.computing():
+                    return await asyncio.wrap_future(future)
         except (FutureTimeout, TimeoutError):  # pebble killed that grading's process
             self.counts["timeouts"] += 1
             log.warning("grading timed out after %.1fs; scored wrong", self.timeout_s)

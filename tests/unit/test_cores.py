@@ -62,6 +62,33 @@ def test_a_waiting_role_lends_its_share_and_gets_it_back(tmp_path, monkeypatch) 
     assert 0.3 <= time.monotonic() - start < 10
 
 
+def test_borrowers_leave_the_cores_that_grading_uses(tmp_path, monkeypatch) -> None:
+    """The reward service's grading processes compute without a share: while one grades, a
+    borrower keeps to its own share, and borrows again once the grading ends."""
+    monkeypatch.setattr(cores, "BORROW_AFTER_S", 0.05)
+    a, b = pair(tmp_path)
+    monkeypatch.setenv(cores.CPU_LEDGER_ENV, str(tmp_path / "ledger"))
+    monkeypatch.setenv(cores.CPU_GRADING_ENV, "2")  # after the two roles' slots
+    grading = cores.Grading()
+    a.work()
+    b.wait()
+    time.sleep(0.15)
+    assert a.adapt() == 2
+    with grading.computing():
+        assert a.adapt() == 1
+        with grading.computing():  # more grading than cores lends nothing, takes nothing
+            assert a.adapt() == 1
+    assert grading.busy == 0 and a.adapt() == 2
+
+
+def test_grading_without_a_ledger_is_a_no_op(monkeypatch) -> None:
+    monkeypatch.delenv(cores.CPU_GRADING_ENV, raising=False)
+    grading = cores.Grading()
+    with grading.computing():
+        assert grading.busy == 1
+    assert grading.busy == 0
+
+
 def test_borrowers_split_a_lent_share_and_never_exceed_the_cores(tmp_path, monkeypatch) -> None:
     """Two servers beside one trainer: a lent share is split, never taken by each borrower
     (on 2 cores, 4 threads spinning on them made a decode step 5x as costly)."""

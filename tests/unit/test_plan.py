@@ -117,7 +117,13 @@ def test_local_launcher_gives_each_gpu_step_its_own_gpus_and_cpu_roles_none() ->
 
 
 def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> None:
-    from areal.cores import CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV, role_threads
+    from areal.cores import (
+        CPU_GRADING_ENV,
+        CPU_LEDGER_ENV,
+        CPU_SHARE_ENV,
+        CPU_SLOT_ENV,
+        role_threads,
+    )
 
     cfg = load_config(
         str(REPO / "configs/tiny.yaml"),
@@ -129,10 +135,13 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
     assert len(computing) == 4 and {s.env[CPU_SHARE_ENV] for s in computing} == {"4"}
     assert all(CPU_SHARE_ENV not in s.env for s in plan.steps if s not in computing)
     # Each computing step has its own slot in the node's ledger, through which it lends its
-    # cores while it waits (areal/cores.py); the other steps compute nothing.
+    # cores while it waits (areal/cores.py); the reward service's grading says in the slot
+    # after theirs what its pool uses; the other steps compute nothing.
     assert sorted(int(s.env[CPU_SLOT_ENV]) for s in computing) == [0, 1, 2, 3]
-    assert len({s.env[CPU_LEDGER_ENV] for s in computing}) == 1
-    assert all(CPU_LEDGER_ENV not in s.env for s in plan.steps if s not in computing)
+    reward = next(s for s in plan.steps if s.role == "reward")
+    assert reward.env[CPU_GRADING_ENV] == "4"
+    assert len({s.env[CPU_LEDGER_ENV] for s in [*computing, reward]}) == 1
+    assert all(CPU_LEDGER_ENV not in s.env for s in plan.steps if s not in [*computing, reward])
 
     def sync_plan(*more: str):
         overrides = ["rollout.n_servers=2", "trainer.parallel.dp=2", "max_staleness=0", *more]
