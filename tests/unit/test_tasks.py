@@ -70,7 +70,8 @@ def test_builtin_tasks_are_one_module_each():
         task = load_task(name)
         assert task.name == name and task is load_task(name)
         assert task.needs_path == (name in ("code", "math"))
-        assert (task.warmup is not None) == (name in ("arith", "longtail"))
+        assert (task.warmup is not None) == (name in ("arith", "longtail", "math"))
+        assert (task.screen is not None) == (name == "math")
 
 
 def test_an_unknown_task_names_the_known_ones():
