@@ -74,6 +74,8 @@ number of computing steps of its node)."""
 
 BORROW_AFTER_S = 0.05
 """A peer's share is borrowed once it has waited this long (not in the gaps of its work)."""
+LARGE_LAYER = 500_000
+"""Parameters of a layer whose parts also adapt (cores.follow)."""
 RETURN_WAIT_S = 0.05
 """The longest a role that starts working waits for its share to be handed back."""
 
@@ -293,11 +295,15 @@ class Cores:
                 out.register_hook(before_backward)  # runs as this layer's backward starts
 
         # Layers, not every module: hooks on each of a small model's modules cost more than
-        # lending gains (the 145k-parameter model's step: 0.06 -> 0.075 s).
+        # lending gains (the 145k-parameter model's step: 0.06 -> 0.075 s). A large layer's
+        # parts too (attention, MLP, norms): waiting for the end of a 4M model's layer (0.2 s
+        # of backward) left 40% of the server's waits unlent.
         for layers in (m for m in model.modules() if isinstance(m, torch.nn.ModuleList)):
             for layer in layers:
-                layer.register_forward_pre_hook(before_forward)
-                layer.register_forward_hook(after_forward)
+                big = sum(p.numel() for p in layer.parameters()) >= LARGE_LAYER
+                for part in (layer, *layer.children()) if big else (layer,):
+                    part.register_forward_pre_hook(before_forward)
+                    part.register_forward_hook(after_forward)
 
     def threads_mean(self) -> float:
         """The mean threads of this role's work since the last call (its share if none)."""
