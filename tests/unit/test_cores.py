@@ -196,6 +196,22 @@ def test_the_trainer_borrows_and_hands_back_layer_by_layer(tmp_path) -> None:
                     ("b3", 2), ("b2", 2), ("b1", 1), ("b0", 1)]  # fmt: skip
 
 
+def test_a_large_layers_parts_adapt_too(tmp_path, monkeypatch) -> None:
+    """A lent share is taken within a part of a large layer (its attention, its MLP), not
+    only at the next layer: a 4M model's layer takes 0.2 s of backward."""
+    monkeypatch.setattr(cores, "LARGE_LAYER", 50)  # the large layer: 72 parameters, the small 6
+    a, _ = pair(tmp_path)
+    small = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())])
+    large = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())])
+    calls = []
+    monkeypatch.setattr(a, "adapt", lambda: calls.append(1))
+    for model, per_pass in ((small, 1), (large, 3)):  # the layer; or it and its 2 parts
+        a.follow(model)
+        calls.clear()
+        model[0](torch.randn(1, model[0][0].in_features, requires_grad=True)).sum().backward()
+        assert len(calls) == 2 * per_pass  # forward and backward
+
+
 def test_the_engine_lends_while_it_has_nothing_to_generate(tmp_path) -> None:
     config = Qwen2Config(
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
