@@ -107,11 +107,22 @@ class RewardService:
         if known is not None:
             self.counts["reused"] += 1
             self.verdicts.move_to_end(key)
-            return await asyncio.shield(known)
+            try:
+                return await asyncio.shield(known)
+            except asyncio.CancelledError:
+                if not known.cancelled():
+                    raise  # this request was cancelled
+                # The one grading it was cancelled (its request abandoned): grade it here.
+                return bool(await self._grade_fully(grader, task, response, answer))
         known = self.verdicts[key] = asyncio.get_running_loop().create_future()
         if len(self.verdicts) > MAX_VERDICTS:
             self.verdicts.popitem(last=False)
-        verdict = await self._grade_fully(grader, task, response, answer)
+        try:
+            verdict = await self._grade_fully(grader, task, response, answer)
+        except asyncio.CancelledError:
+            self.verdicts.pop(key, None)
+            known.cancel()
+            raise
         known.set_result(bool(verdict))
         if verdict is None:  # failed: the next response that asks is graded afresh
             self.verdicts.pop(key, None)

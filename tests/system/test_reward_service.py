@@ -231,3 +231,36 @@ def test_an_inline_grader_runs_in_the_service_with_its_options_and_errors_counte
     rewards, arith, counts = asyncio.run(go())
     assert rewards == [5.0, -5.0, -5.0] and arith == [5.0, -5.0]
     assert counts == counts_of(graded=5, errors=1)
+
+
+def _slowly_shouted(response: str, answer: str, suffix: str = "") -> bool:
+    time.sleep(1.0)
+    return response == answer.upper()
+
+
+SLOW_SHOUT = dataclasses.replace(SHOUT, is_correct=_slowly_shouted, screen=lambda r, a: (r, a))
+"""Every response a question for the pool, graded in a second."""
+
+
+def test_a_cancelled_grading_leaves_no_question_waiting_forever():
+    """The request grading a question is abandoned: the responses that wait for its verdict
+    grade it themselves, and a later response asking the same is graded afresh."""
+
+    async def go():
+        s = service(timeout_s=20.0)
+        task = f"{__name__}:SLOW_SHOUT"
+        try:
+            first = asyncio.create_task(s.grade(task, ["HI"], "hi"))
+            await asyncio.sleep(0.3)  # its question is being graded in the pool
+            waiting = asyncio.create_task(s.grade(task, ["HI"], "hi"))
+            await asyncio.sleep(0.05)
+            first.cancel()
+            later = await asyncio.wait_for(waiting, 20)
+            again = await asyncio.wait_for(s.grade(task, ["HI"], "hi"), 20)
+            return later, again, first.cancelled(), await s.stats()
+        finally:
+            s.close()
+
+    later, again, cancelled, counts = asyncio.run(go())
+    assert cancelled and later == [5.0] and again == [5.0]
+    assert counts["reused"] == 1  # the waiting one; the later one was graded afresh
