@@ -133,8 +133,15 @@ def fit_train(run: Run, notes: list[str]) -> TrainCost:
             x = np.array([f for _, f, _ in rows])
             y = np.array([d for _, _, d in rows])
             notes.append(f"{what}: too few one-thread spans; fitted over all of them")
-        coef = nnls(x, y)
+        # A column that never varies (a minibatch's sequences, with a fixed batch) is the
+        # constant's: fitting both would split one cost between them at random.
+        keep = [j for j, c in enumerate(cols) if c == "one" or x[:, j].std() > 0]
+        coef = np.zeros(len(cols))
+        coef[keep] = nnls(x[:, keep], y)
         notes.append(f"{what} fit over {len(y)} spans: R^2 {_r2(x, y, coef):.3f}")
+        dropped = [c for j, c in enumerate(cols) if j not in keep]
+        if dropped:
+            notes.append(f"{what}: {', '.join(dropped)} never varied; counted in the constant")
         return coef, [r for r in rows if r[0] > 0]
 
     # Micro-batches add a column only where their count varies (else it is the constant).

@@ -164,6 +164,7 @@ class _Server(_Role):
     seg: tuple | None = None
     seg_id: int = 0
     loading: bool = False
+    plan_pending: bool = False
     draining: int | None = None
     interrupt: tuple[int, float] | None = None
 
@@ -358,8 +359,13 @@ class Simulation:
         srv.queue.extend(group.reqs)
         if srv.seg is not None:
             self._cut(srv)  # joins at the next step
-        else:
-            self._plan(srv)
+        elif not srv.plan_pending:  # after every arrival of this instant (one first step)
+            srv.plan_pending = True
+            self.at(self.now, self._planned, srv)
+
+    def _planned(self, srv: _Server) -> None:
+        srv.plan_pending = False
+        self._plan(srv)
 
     def _tokens(self, srv: _Server, req: _Req) -> int:
         return req.g + srv.clock - req.join_clock
