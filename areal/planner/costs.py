@@ -115,8 +115,10 @@ class Lengths:
     groups: list[list[int]] | None = None
     """Whole groups as a run produced them (resampled whole: a prompt sets its answers'
     lengths, so a group's samples are alike)."""
-    lognormal: tuple[float, float] | None = None
-    """(median, sigma) of independent lengths, where no run gives them (a GPU profile)."""
+    lognormal: tuple[float, ...] | None = None
+    """(median, sigma[, between]) of lognormal lengths, where no run gives them (a GPU
+    profile): `between` is the share of the log-variance that a group's prompt sets (0:
+    its samples are independent; 1: all alike)."""
 
     def sample(self, rng: random.Random, group_size: int, cap: int) -> list[int]:
         if self.groups:
@@ -125,9 +127,11 @@ class Lengths:
                 group = [rng.choice(group) for _ in range(group_size)]
             return [max(1, min(cap, int(n))) for n in group]
         assert self.lognormal is not None
-        median, sigma = self.lognormal
+        median, sigma, between = (*self.lognormal, 0.0)[:3]
+        center = math.log(median) + rng.gauss(0.0, sigma * math.sqrt(between))
+        within = sigma * math.sqrt(1 - between)
         return [
-            max(1, min(cap, int(median * math.exp(rng.gauss(0.0, sigma)))))
+            max(1, min(cap, int(math.exp(center + rng.gauss(0.0, within)))))
             for _ in range(group_size)
         ]
 
@@ -273,7 +277,9 @@ _ATTN_FLOPS_PER_SQ = 6 * 28 * 1536  # causal attention (2 L^2 d a layer) x 3 for
 _ACHIEVED_FLOPS = 418e12  # megatron_mfu.py's 418 TFLOP/s
 
 
-def gpu_h200(prompt_len: float = 300.0, median_len: float = 5000.0, sigma: float = 0.9) -> Profile:
+def gpu_h200(
+    prompt_len: float = 300.0, median_len: float = 5000.0, sigma: float = 0.9, between: float = 0.5
+) -> Profile:
     """The 1.5B model on H200s, from the README's GPU rows; see `notes` for what is assumed."""
     row_s = (_DECODE_256 - _DECODE_64) / (256 - 64)
     return Profile(
@@ -293,7 +299,7 @@ def gpu_h200(prompt_len: float = 300.0, median_len: float = 5000.0, sigma: float
             rpc_s=1.0,
         ),
         handoff=Handoff(publish_s=_PUBLISH_S, load_s=_LOAD_S, fanout_s=0.05),
-        lengths=Lengths(prompt_len=prompt_len, lognormal=(median_len, sigma)),
+        lengths=Lengths(prompt_len=prompt_len, lognormal=(median_len, sigma, between)),
         group_overhead_s=0.05,
         kv_budget=int((0.85 * _H200_MEMORY - _WEIGHTS_BYTES) / _KV_BYTES_PER_TOKEN),
         source="README 'Measured on GPU' (one H200, the 1.5B shape, bf16)",
@@ -308,8 +314,10 @@ def gpu_h200(prompt_len: float = 300.0, median_len: float = 5000.0, sigma: float
             "the measured 418 TFLOP/s; Adam 34 ms a minibatch",
             "per step 2 s outside the spans and 1 s for get_batch's transfer (assumed)",
             "hand-off: publish 4,489 ms, load 381 ms (handoff.py); fan-out 50 ms (assumed)",
-            "lengths: lognormal, median 5,000 tokens, sigma 0.9, capped at max_new_tokens "
-            "(mean about 7k; assumed: no dataset here), prompts 300 tokens",
+            f"lengths: lognormal, median {median_len:,.0f} tokens, sigma {sigma}, capped at "
+            f"max_new_tokens (mean about 7k at the defaults), half the log-variance set by the "
+            f"prompt (between={between}; assumed: no dataset here), prompts {prompt_len:.0f} "
+            "tokens",
             "KV budget: 85% of 141 GB less the weights; the H200's figures stand in for the "
             "paper's H800s",
         ],
