@@ -78,8 +78,9 @@ def plan_grid(
 ) -> list[Point]:
     """Simulate every grid point. GPUs: `fractions` of `gpus`; CPUs: `servers` counts.
     scale > 1 divides servers, training GPUs, batch and groups in flight alike (each server
-    and GPU sees the same load, in a run `scale` times smaller to simulate)."""
-    steps = steps or cfg.total_train_steps
+    and GPU sees the same load, in a run `scale` times smaller to simulate); 0 picks it.
+    steps: simulated training steps (default: the config's, at most 40)."""
+    steps = steps or min(cfg.total_train_steps, 40)
     points = []
     axis: list[tuple[str, int, float | None, int]] = []
     if gpus:
@@ -92,22 +93,35 @@ def plan_grid(
             axis.append((f"servers={n}", n, None, 1))
     for label, n, f, train_gpus in axis:
         for eta in etas:
-            overrides = dict(eta=eta, n_servers=n, trainer_devices=train_gpus, steps=steps)
-            if scale > 1:
-                s = Setting.from_config(cfg, **overrides)
-                for name in ("n_servers", "trainer_devices", "batch_size", "max_concurrent"):
-                    value = getattr(s, name)
-                    if value % scale:
-                        raise ConfigError(
-                            f"--scale {scale} does not divide {name}={value}: pick a divisor"
-                        )
-                    setattr(s, name, value // scale)
-            else:
-                s = Setting.from_config(cfg, **overrides)
+            s = Setting.from_config(
+                cfg, eta=eta, n_servers=n, trainer_devices=train_gpus, steps=steps
+            )
+            k = _scale(s, scale)
+            for name in SCALED:
+                setattr(s, name, getattr(s, name) // k)
             result = simulate(profile, s)
-            result.throughput *= scale  # the whole run's: every part was `scale` times smaller
+            result.throughput *= k  # the whole run's: every part was k times smaller
             points.append(Point(label, n, f, eta, result))
     return points
+
+
+SCALED = ("n_servers", "trainer_devices", "batch_size", "max_concurrent")
+"""What a smaller copy of a run divides alike: each server and training GPU keeps its load."""
+
+
+def _scale(s: Setting, scale: int) -> int:
+    """`scale`, checked; 0: the largest of 8, 4, 2 that divides them all (else 1)."""
+    if s.max_concurrent == 0:
+        s.max_concurrent = s.batch_size  # the gate's rule, explicit so that it scales
+    if scale == 0:
+        return next((k for k in (8, 4, 2) if all(getattr(s, n) % k == 0 for n in SCALED)), 1)
+    for name in SCALED:
+        if getattr(s, name) % scale:
+            raise ConfigError(
+                f"--scale {scale} does not divide {name}={getattr(s, name)}: pick a divisor "
+                "(or --scale 0: the largest that divides them all)"
+            )
+    return scale
 
 
 def recommend(points: list[Point]) -> Point:
@@ -118,14 +132,14 @@ def recommend(points: list[Point]) -> Point:
 
 def format_grid(points: list[Point]) -> str:
     lines = [
-        f"{'':<44} {'eta':>4} {'tok/s':>10} {'stale mean':>10} {'max':>4} "
+        f"{'':<46} {'eta':>4} {'tok/s':>10} {'stale mean':>10} {'max':>4} "
         f"{'servers idle':>12} {'trainer idle':>12}  bottleneck"
     ]
     for p in points:
         r = p.result
         servers = [v for k, v in r.idle.items() if k.startswith("server")]
         lines.append(
-            f"{p.label:<44} {p.eta:>4} {r.throughput:>10,.0f} {r.staleness_mean:>10.2f} "
+            f"{p.label:<46} {p.eta:>4} {r.throughput:>10,.0f} {r.staleness_mean:>10.2f} "
             f"{r.staleness_max:>4} {100 * sum(servers) / len(servers):>11.0f}% "
             f"{100 * r.idle['trainer0']:>11.0f}%  {r.bottleneck}"
         )
@@ -155,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--etas", default="0,1,2,4,8,16", help="max_staleness values to try")
     ap.add_argument("--fractions", default="0.5,0.625,0.75,0.875", help="GPU inference shares")
     ap.add_argument("--servers", default="1,2", help="CPU: server counts to try")
-    ap.add_argument("--steps", type=int, help="steps to simulate (default: the config's)")
-    ap.add_argument("--scale", type=int, default=1, help="simulate a run this many times smaller")
+    ap.add_argument("--steps", type=int, help="steps to simulate (default: config's, <= 40)")
+    ap.add_argument(
+        "--scale", type=int, default=0, help="simulate a run this many times smaller (0: auto)"
+    )
     ap.add_argument("--save-profile", help="write the profile used (JSON) here")
     ap.add_argument("--json", action="store_true", help="print the grid as JSON")
     args = ap.parse_args(argv)

@@ -215,6 +215,8 @@ class Simulation:
         self.staleness: list[list[int]] = []
         self.held: list[tuple[float, float]] = []
         self._held_since: float | None = None
+        self.capped: list[tuple[float, float]] = []
+        self._capped_since: float | None = None
         self.generated = self.prefilled = self.interrupted = 0
 
     # ---- the event loop -------------------------------------------------------------------
@@ -312,13 +314,18 @@ class Simulation:
         self._track_held()
 
     def _track_held(self) -> None:
+        """Intervals in which the gate is shut by eta, and by the cap on groups in flight."""
         g = self.gate
-        shut = g.batch_size * (g.version + g.max_staleness + 1) - g.n_started <= 0
-        if shut and self._held_since is None:
-            self._held_since = self.now
-        elif not shut and self._held_since is not None:
-            self.held.append((self._held_since, self.now))
-            self._held_since = None
+        by_eta = g.batch_size * (g.version + g.max_staleness + 1) - g.n_started <= 0
+        by_cap = not by_eta and g.max_concurrent - g.n_running <= 0
+        for shut, intervals, attr in ((by_eta, self.held, "_held_since"),
+                                      (by_cap, self.capped, "_capped_since")):  # fmt: skip
+            since = getattr(self, attr)
+            if shut and since is None:
+                setattr(self, attr, self.now)
+            elif not shut and since is not None:
+                intervals.append((since, self.now))
+                setattr(self, attr, None)
 
     def _group_done(self, group: _Group) -> None:
         self.gate.on_rollout_accepted()
@@ -615,6 +622,8 @@ class Simulation:
         if self._held_since is not None:
             held.append((self._held_since, self.now))
         # Held by eta: a server idle while the bound keeps the gate shut (mean over servers).
+        capped = self.capped + ([(self._capped_since, self.now)] if self._capped_since else [])
+        capped_share = _overlap(capped, t0, t1) / max(t1 - t0, 1e-12)
         held_share = sum(
             _overlap(held, t0, t1) - _overlap_pairs(held, _busy(s, self.now), t0, t1)
             for s in self.servers
@@ -627,7 +636,7 @@ class Simulation:
             idle=idle,
             held_by_eta=held_share,
             step_times=[r["time"] for r in recs],
-            bottleneck=bottleneck(idle, held_share, self.s.eta),
+            bottleneck=bottleneck(idle, held_share, self.s.eta, capped_share),
             generated=self.generated,
             prefilled=self.prefilled,
             interrupted=self.interrupted,
@@ -666,7 +675,7 @@ def effective_throughput(records: list[dict]) -> float:
     return tokens / max(records[-1]["time"] - records[warm]["time"], 1e-12)
 
 
-def bottleneck(idle: dict[str, float], held: float, eta: int) -> str:
+def bottleneck(idle: dict[str, float], held: float, eta: int, capped: float = 0.0) -> str:
     """Which role sets the pace, in words: the one that never waits."""
     trainer = idle["trainer0"]
     servers = [v for k, v in idle.items() if k.startswith("server")]
@@ -674,6 +683,10 @@ def bottleneck(idle: dict[str, float], held: float, eta: int) -> str:
     if trainer < 0.1 and trainer <= server:
         return "trainer (it never waits; the servers are held by eta or idle)"
     if server < 0.1:
+        if capped > 0.5:
+            return (
+                "generation (the trainer waits; rollout.max_concurrent caps the groups in flight)"
+            )
         return "generation (the servers never wait; the trainer waits for batches)"
     if eta == 0:
         return "synchronous: the roles take turns (eta=0)"
