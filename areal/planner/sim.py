@@ -622,7 +622,9 @@ class Simulation:
         if self._held_since is not None:
             held.append((self._held_since, self.now))
         # Held by eta: a server idle while the bound keeps the gate shut (mean over servers).
-        capped = self.capped + ([(self._capped_since, self.now)] if self._capped_since else [])
+        capped = list(self.capped)
+        if self._capped_since is not None:
+            capped.append((self._capped_since, self.now))
         capped_share = _overlap(capped, t0, t1) / max(t1 - t0, 1e-12)
         held_share = sum(
             _overlap(held, t0, t1) - _overlap_pairs(held, _busy(s, self.now), t0, t1)
