@@ -107,7 +107,25 @@ def fit_decode(run: Run, notes: list[str]) -> DecodeCost:
     speedup = _speedups([(t, xx, yy) for t, xx, yy in rows], coef, notes, "decode")
     if base != 1:  # the fit is of `base` threads; express it against one
         notes.append(f"decode: no one-thread window; costs are of {base} threads")
-    return DecodeCost(*map(float, coef), speedup=speedup)
+    return DecodeCost(*map(float, coef), speedup=speedup, group_s=_group_s(run, windows, notes))
+
+
+def _group_s(run: Run, windows: list[dict], notes: list[str]) -> float:
+    """Server time per group outside decode steps: the servers' generate spans (requests in
+    flight) less their decode windows, over the groups generated."""
+    generating = sum(e["end"] - e["start"] for e in _spans(run, "server", "generate"))
+    stepping = sum(w["end"] - w["start"] for w in windows)
+    group_size = int((run.config.get("rollout") or {}).get("group_size", 1)) or 1
+    groups = sum(len(b["output_len"]) for b in run.batches) / group_size
+    if not generating or not groups:
+        notes.append("decode: no generate spans; no server time outside decode steps assumed")
+        return 0.0
+    value = max(0.0, generating - stepping) / groups
+    notes.append(
+        f"decode: {100 * stepping / generating:.0f}% of the servers' generate spans are decode "
+        f"steps; the rest is {1000 * value:.2f} ms a group"
+    )
+    return value
 
 
 def fit_train(run: Run, notes: list[str]) -> TrainCost:

@@ -2,7 +2,7 @@
 
     decode step  = (step_s + row_s * rows + cell_s * cells
                     + prefill_token_s * prefilled tokens + prefill_row_s * prefilled rows)
-                   / speedup(threads)
+                   / speedup(threads)           + group_s per group arriving (HTTP, outside)
     proximal     = (prox_token_s * tokens + prox_seq_s * seqs + prox_const_s) / speedup
     one update   = (token_s * tokens + seq_s * seqs + sq_s * sum(len^2) + mb_s * micro-batches
                     + minibatch_s) / speedup          (a PPO minibatch: forward, backward, step)
@@ -44,6 +44,9 @@ class DecodeCost:
     """Per token prefilled (a new request's prompt; every prefix again after a weight load)."""
     prefill_row_s: float = 0.0
     """Per request prefilled (its bucket, its row's reset)."""
+    group_s: float = 0.0
+    """Server time per group outside decode steps (its requests and responses over HTTP,
+    taking the cores back from a borrower): the decode steps wait meanwhile."""
     speedup: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     """Speed on n threads against one; a thread count not listed uses the nearest below."""
 

@@ -165,6 +165,7 @@ class _Server(_Role):
     seg_id: int = 0
     loading: bool = False
     plan_pending: bool = False
+    stall_until: float = 0.0
     draining: int | None = None
     interrupt: tuple[int, float] | None = None
 
@@ -364,6 +365,8 @@ class Simulation:
             srv.held.extend(group.reqs)  # until the new weights are in
             return
         srv.queue.extend(group.reqs)
+        if self.p.decode.group_s:
+            self._stall(srv, self.p.decode.group_s)
         if srv.seg is not None:
             self._cut(srv)  # joins at the next step
         elif not srv.plan_pending:  # after every arrival of this instant (one first step)
@@ -374,12 +377,27 @@ class Simulation:
         srv.plan_pending = False
         self._plan(srv)
 
+    def _stall(self, srv: _Server, seconds: float) -> None:
+        """The server's process spends `seconds` outside decode steps (a group's requests
+        and responses over HTTP): its steps wait, the interpreter being one."""
+        if srv.seg is not None:
+            t0, k = srv.seg[0] + seconds, srv.seg[7]
+            srv.seg_id += 1
+            srv.seg = (t0, *srv.seg[1:8], srv.seg_id, srv.seg[9])
+            self.at(t0 + self._seg_time(srv.seg, k), self._seg_end, srv, srv.seg_id, k)
+        srv.stall_until = max(srv.stall_until, self.now) + seconds
+
     def _tokens(self, srv: _Server, req: _Req) -> int:
         return req.g + srv.clock - req.join_clock
 
     def _plan(self, srv: _Server) -> None:
         """Start the next run of equal steps, or wait."""
         if srv.seg is not None or srv.loading:
+            return
+        if self.now < srv.stall_until - 1e-12:  # still handling requests
+            if not srv.plan_pending:
+                srv.plan_pending = True
+                self.at(srv.stall_until, self._planned, srv)
             return
         d = self.p.decode
         # While draining (a non-interruptible update) new arrivals are held back, but what

@@ -126,6 +126,14 @@ def test_three_roles_on_two_cores_slow_each_other():
     assert three.throughput > 1.1 * two.throughput
 
 
+def test_server_time_per_group_slows_generation():
+    p = gpu_profile(step_s=1e-3, token_s=1e-6)
+    fast = simulate(p, setting(eta=4, max_concurrent=8))
+    p.decode.group_s = 0.01  # 8 groups a step at most, 10 ms each, beside ~50 ms of steps
+    slow = simulate(p, setting(eta=4, max_concurrent=8))
+    assert slow.throughput < 0.9 * fast.throughput
+
+
 def test_interrupts_reprefill_the_partial_outputs():
     p = longtail_profile()
     r = simulate(p, setting(eta=4, batch_size=2, max_concurrent=16))
@@ -197,6 +205,10 @@ def synthetic_run(path: Path, steps: int = 30, events: bool = True) -> Path:
             lines["server0"].append({"kind": "decode", "start": t, "end": t + dur,
                                      "threads": threads, **f})  # fmt: skip
             t += dur + 0.001
+        # The server generated the step's 2 groups from wait_start to 4 ms after its last
+        # window: with the 1 ms gaps, 10 ms outside decode steps, 5 ms a group.
+        gen = {"kind": "generate", "start": wait_start, "end": t + 0.004, "version": step}
+        lines["server0"].append(gen)
         outs = [n for n in (rng.randint(10, 300) for _ in range(2)) for _ in range(4)]
         wait = {"kind": "wait_batch", "start": wait_start, "end": t + 0.05, "version": step}
         lines["trainer0"].append(wait)
@@ -235,6 +247,7 @@ def test_calibration_recovers_known_constants(tmp_path):
     for key, value in DECODE.items():  # the per-row prefill is a small share: looser
         assert getattr(d, key) == pytest.approx(value, rel=0.3 if "row" in key else 0.1), key
     assert d.speedup[2] == pytest.approx(1.6, rel=0.05)
+    assert d.group_s == pytest.approx(0.005)
     assert p.train.token_s == pytest.approx(TRAIN["token_s"], rel=0.1)
     # Every minibatch holds 4 sequences: their cost is the constant's.
     assert p.train.seq_s == 0
