@@ -2,8 +2,8 @@
 staleness, its recommendation against a hand-measured grid, and the paper's 1.5B setting.
 
     python benchmarks/planner.py [--configs tiny,tiny_longtail] [--etas 0,1,4,16]
-        [--servers 1,2] [--steps 40] [--fileroot DIR] [--model NAME=DIR ...] [--reuse]
-        [--timeout-s 600] [--no-paper]
+        [--servers 1,2] [--steps tiny=80,tiny_longtail=40] [--fileroot DIR]
+        [--model CONFIG=DIR ...] [--reuse] [--timeout-s 900] [--no-paper]
 
 Per config: ONE profiling run (the config as it is, `--steps` steps) is calibrated
 (areal/planner/calibrate.py); every grid point (servers x eta) is then a run of its own,
@@ -44,13 +44,14 @@ def run(args: argparse.Namespace, config: Path, name: str, overrides: list[str])
     experiment = load_config(str(config)).experiment_name
     path = Path(args.fileroot) / experiment / name
     metrics = path / "metrics.jsonl"
-    if args.reuse and metrics.exists() and len(metrics.read_text().splitlines()) >= args.steps:
+    steps = args.steps[config.stem]
+    if args.reuse and metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
         return path
     if path.exists():
         raise SystemExit(f"{path} exists: remove it, or pass --reuse to use it")
     model = args.model.get(config.stem)  # a model made before, instead of the cache's
     extra = [*overrides, *([f"model.path={model}"] if model else [])]
-    train_tiny(args.fileroot, name, args.steps, extra, config, timeout_s=args.timeout_s)
+    train_tiny(args.fileroot, name, steps, extra, config, timeout_s=args.timeout_s)
     return path
 
 
@@ -91,7 +92,7 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
             path = run(args, config, f"{name}-s{servers}-e{eta}", overrides)
             cfg = load_config(str(path / "config.yaml"))
             tput, stale = measured(path)
-            p_tput, p_stale, r = predict(profile, cfg, eta, servers, args.steps)
+            p_tput, p_stale, r = predict(profile, cfg, eta, servers, args.steps[name])
             row = dict(config=name, servers=servers, eta=eta, tput=tput, p_tput=p_tput,
                        stale=stale, p_stale=p_stale, bottleneck=r.bottleneck)  # fmt: skip
             rows.append(row)
@@ -115,7 +116,7 @@ def recommendation_check(args: argparse.Namespace, rows: list[dict], name: str) 
     cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
     profile_path = Path(args.fileroot) / f"{name}-profile.json"
     points = plan_grid(cfg, load_profile(profile_path), args.etas, servers=args.servers,
-                       steps=args.steps)  # fmt: skip
+                       steps=args.steps[name])  # fmt: skip
     best_pred = recommend(points)
     chosen = next(
         r for r in grid if (r["servers"], r["eta"]) == (best_pred.n_servers, best_pred.eta)
@@ -176,7 +177,7 @@ def main() -> None:
     ap.add_argument("--configs", default="tiny,tiny_longtail")
     ap.add_argument("--etas", default="0,1,4,16")
     ap.add_argument("--servers", default="1,2")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", default="tiny=80,tiny_longtail=40", help="N, or CONFIG=N,...")
     ap.add_argument("--fileroot", default="/tmp/areal-planner")
     ap.add_argument("--model", action="append", default=[], help="CONFIG=DIR: model.path")
     ap.add_argument("--reuse", action="store_true")
@@ -187,6 +188,10 @@ def main() -> None:
     args.etas = [int(x) for x in args.etas.split(",")]
     args.servers = [int(x) for x in args.servers.split(",")]
     args.model = dict(m.split("=", 1) for m in args.model)
+    if "=" in args.steps:
+        args.steps = {k: int(v) for k, v in (x.split("=") for x in args.steps.split(","))}
+    else:
+        args.steps = {name: int(args.steps) for name in args.configs.split(",")}
     rows = []
     for name in filter(None, args.configs.split(",")):
         rows += validate(args, name)
