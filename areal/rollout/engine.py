@@ -386,7 +386,7 @@ class DecodeEngine:
                 error = e
             finished: list[Request] = []
             prefilled = sum(len(r.prompt_ids) + len(r.output_ids) - 1 for r in fresh)
-            cells = sum(len(r.prompt_ids) + len(r.output_ids) for r in batch)
+            cells = sum(self._kv.lens)  # the context each row attended to (C-level sum)
             self._meter.step(
                 t_step, time.time(), len(batch), cells, prefilled, len(fresh), self.cores.threads
             )
