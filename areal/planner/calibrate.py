@@ -204,7 +204,15 @@ def _trainer_gaps(run: Run) -> tuple[float, float]:
         )
         gaps.append(b["start"] - a["end"] - inside)
     step_s = float(np.median(gaps)) if gaps else 0.0
-    rpc_s = float(min(e["end"] - e["start"] for e in waits[1:])) if len(waits) > 1 else 0.0
+    # get_batch's own cost: the waits of the steps that found a batch ready (a whole batch
+    # more still ready after it: metrics' rollout/groups_ready); else the shortest wait.
+    batch = int((run.config.get("trainer") or {}).get("batch_size", 0)) or 1
+    ready = {m["step"] - 1 for m in run.metrics if m.get("rollout/groups_ready", 0) >= batch}
+    sure = [e["end"] - e["start"] for e in waits[1:] if e.get("version") in ready]
+    if len(sure) >= 3:
+        rpc_s = float(np.median(sure))
+    else:
+        rpc_s = float(min(e["end"] - e["start"] for e in waits[1:])) if len(waits) > 1 else 0.0
     return max(0.0, step_s), max(0.0, rpc_s)
 
 
