@@ -85,6 +85,14 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
     print(f"  {json.dumps(costs)}")
     print(f"  prompt {profile.lengths.prompt_len:.1f} tokens, group overhead "
           f"{1000 * profile.group_overhead_s:.1f} ms")  # fmt: skip
+    # In-sample, a diagnostic only (the table predicts other runs): the profiling run itself.
+    cfg = load_config(str(profile_dir / "config.yaml"))
+    tput, stale = measured(profile_dir)
+    p_tput, p_stale, r = predict(profile, cfg, cfg.max_staleness, cfg.rollout.n_servers,
+                                 args.steps[name])  # fmt: skip
+    idle = {k: round(v, 2) for k, v in r.idle.items()}
+    print(f"  in-sample: measured {tput:,.0f} tok/s, staleness {stale:.2f}; predicted "
+          f"{p_tput:,.0f}, {p_stale:.2f}; idle {idle}")  # fmt: skip
     rows = []
     for servers in args.servers:
         for eta in args.etas:
