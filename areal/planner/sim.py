@@ -14,15 +14,16 @@
         BORROW_AFTER_S lends its share to those working (areal/cores.py's rule), and more
         threads than cores slow every working role in proportion
 
-| event             | what it does                                                     |
-|-------------------|------------------------------------------------------------------|
-| segment end       | a server's run of k equal decode steps ends: a request finished, |
-|                   | or a change (a join, a thread change, an update) cut it short     |
-| arrive            | a group's requests reach its server (after half the group overhead) |
-| group done        | its last sample finished (+ half the overhead): gate, buffer      |
-| load done         | a server holds the new version; the last one moves the gate      |
-| phase end         | the trainer finished a phase of its step (rate changes reschedule) |
-| lend              | a role has waited BORROW_AFTER_S: its share goes to the others    |
+| event        | what it does                                                          |
+|--------------|-----------------------------------------------------------------------|
+| segment end  | a server's run of k equal decode steps ends: a request finished, or a |
+|              | change (a join, a thread change, an update) cut it at a step boundary |
+| arrive       | a group's requests reach its server (half the group overhead after    |
+|              | admission), which spends decode.group_s on them outside its steps     |
+| group done   | its last sample finished (+ half the overhead): the gate, the buffer  |
+| load done    | a server holds the new version; the last one moves the gate           |
+| phase end    | the trainer finished a phase of its step (a rate change reschedules)  |
+| lend         | a role has waited BORROW_AFTER_S: its share goes to the working roles |
 
 A server's steps between two changes have equal rows, and each step adds one token to every
 row, so k steps cost k * (step_s + row_s * rows) + cell_s * (k * cells + rows * k(k-1)/2)
@@ -136,6 +137,49 @@ class _Group:
     n_done: int = 0
 
 
+@dataclass
+class _Segment:
+    """A server's run of k decode steps of equal rows, from t0 (costs at its rate)."""
+
+    t0: float
+    rows: int
+    cells: int
+    """Context tokens of the first step (each step adds `rows`)."""
+    prefill_s: float
+    """The first step's prefill of the rows not cached."""
+    per_step_s: float
+    """step_s + row_s * rows, at the rate."""
+    cell_s: float
+    rate: float
+    k: int
+    prefilled: int
+    """Tokens that prefill computes."""
+
+    def time(self, k: int) -> float:
+        """Seconds of its first k steps."""
+        return (
+            self.prefill_s
+            + k * self.per_step_s
+            + self.cell_s * (k * self.cells + self.rows * k * (k - 1) / 2)
+        )
+
+    def steps_by(self, elapsed: float) -> int:
+        """Steps done `elapsed` seconds in: the largest k with time(k) <= elapsed."""
+        qa = self.cell_s * self.rows / 2  # time(k) is a quadratic in k
+        qb = self.per_step_s + self.cell_s * self.cells - qa
+        qc = self.prefill_s - elapsed
+        if qa > 0:
+            k = math.floor((-qb + math.sqrt(max(0.0, qb * qb - 4 * qa * qc))) / (2 * qa))
+        else:
+            k = math.floor(-qc / qb) if qb > 0 else self.k
+        k = min(max(0, k), self.k)
+        while k > 0 and self.time(k) > elapsed:  # float safety, both ways
+            k -= 1
+        while k < self.k and self.time(k + 1) <= elapsed:
+            k += 1
+        return k
+
+
 @dataclass(eq=False)
 class _Role:
     """A computing role's place in the cores ledger."""
@@ -161,7 +205,7 @@ class _Server(_Role):
     queue: list[_Req] = field(default_factory=list)
     held: list[_Req] = field(default_factory=list)
     prefill: list[_Req] = field(default_factory=list)
-    seg: tuple | None = None
+    seg: _Segment | None = None
     seg_id: int = 0
     loading: bool = False
     plan_pending: bool = False
@@ -295,7 +339,7 @@ class Simulation:
             role.threads = self._threads(role)
         for srv in self.servers:
             rate = self._rate(srv, self.p.decode.speedup)
-            if srv.seg is not None and abs(rate - srv.seg[6]) > 1e-9:
+            if srv.seg is not None and abs(rate - srv.seg.rate) > 1e-9:
                 self._cut(srv)
         t = self.trainer
         if t.working and t.phases is not None:
@@ -381,10 +425,8 @@ class Simulation:
         """The server's process spends `seconds` outside decode steps (a group's requests
         and responses over HTTP): its steps wait, the interpreter being one."""
         if srv.seg is not None:
-            t0, k = srv.seg[0] + seconds, srv.seg[7]
-            srv.seg_id += 1
-            srv.seg = (t0, *srv.seg[1:8], srv.seg_id, srv.seg[9])
-            self.at(t0 + self._seg_time(srv.seg, k), self._seg_end, srv, srv.seg_id, k)
+            srv.seg.t0 += seconds
+            self._schedule(srv)
         srv.stall_until = max(srv.stall_until, self.now) + seconds
 
     def _tokens(self, srv: _Server, req: _Req) -> int:
@@ -421,46 +463,38 @@ class Simulation:
         rows = len(srv.running)
         pf_tokens = sum(r.prompt + r.g - 1 for r in srv.prefill)
         rate = self._rate(srv, d.speedup)
-        pf = (d.prefill_token_s * pf_tokens + d.prefill_row_s * len(srv.prefill)) / rate
-        a = (d.step_s + d.row_s * rows) / rate
-        c = d.cell_s / rate
-        k = srv.heap[0][0] - srv.clock
-        srv.seg_id += 1
-        srv.seg = (self.now, rows, srv.cells, pf, a, c, rate, k, srv.seg_id, pf_tokens)
-        self.at(self.now + self._seg_time(srv.seg, k), self._seg_end, srv, srv.seg_id, k)
+        srv.seg = _Segment(
+            t0=self.now,
+            rows=rows,
+            cells=srv.cells,
+            prefill_s=(d.prefill_token_s * pf_tokens + d.prefill_row_s * len(srv.prefill)) / rate,
+            per_step_s=(d.step_s + d.row_s * rows) / rate,
+            cell_s=d.cell_s / rate,
+            rate=rate,
+            k=srv.heap[0][0] - srv.clock,  # until the first request finishes
+            prefilled=pf_tokens,
+        )
+        self._schedule(srv)
 
-    @staticmethod
-    def _seg_time(seg: tuple, k: int) -> float:
-        _, rows, cells, pf, a, c, *_ = seg
-        return pf + k * a + c * (k * cells + rows * k * (k - 1) / 2)
+    def _schedule(self, srv: _Server) -> None:
+        """(Re)schedule the end of the server's segment; an older end event goes stale."""
+        srv.seg_id += 1
+        end = max(self.now, srv.seg.t0 + srv.seg.time(srv.seg.k))
+        self.at(end, self._seg_end, srv, srv.seg_id)
 
     def _cut(self, srv: _Server) -> None:
         """End the current run of steps at the next step boundary (a change applies there)."""
-        t0, rows, cells, pf, a, c, _, k_plan, _, _ = srv.seg
-        elapsed = self.now - t0
-        # Steps done by now: the largest k with seg_time(k) <= elapsed (a quadratic in k).
-        qa, qb, qc = c * rows / 2, a + c * cells - c * rows / 2, pf - elapsed
-        if qa > 0:
-            k_done = math.floor((-qb + math.sqrt(max(0.0, qb * qb - 4 * qa * qc))) / (2 * qa))
-        else:
-            k_done = math.floor(-qc / qb) if qb > 0 else k_plan
-        k_done = max(0, k_done)
-        while k_done > 0 and self._seg_time(srv.seg, k_done) > elapsed:  # float safety
-            k_done -= 1
-        while k_done < k_plan and self._seg_time(srv.seg, k_done + 1) <= elapsed:
-            k_done += 1
-        k_new = min(k_plan, k_done + 1)
-        if k_new < k_plan:
-            srv.seg_id += 1
-            srv.seg = (*srv.seg[:7], k_new, srv.seg_id, srv.seg[9])
-            end = max(self.now, t0 + self._seg_time(srv.seg, k_new))
-            self.at(end, self._seg_end, srv, srv.seg_id, k_new)
+        seg = srv.seg
+        k = min(seg.k, seg.steps_by(self.now - seg.t0) + 1)  # the step in flight completes
+        if k < seg.k:
+            seg.k = k
+            self._schedule(srv)
 
-    def _seg_end(self, srv: _Server, seg_id: int, k: int) -> None:
+    def _seg_end(self, srv: _Server, seg_id: int) -> None:
         if seg_id != srv.seg_id or srv.seg is None:
             return
-        rows = srv.seg[1]
-        self.prefilled += srv.seg[9]
+        rows, k = srv.seg.rows, srv.seg.k
+        self.prefilled += srv.seg.prefilled
         srv.seg = None
         srv.clock += k
         srv.cells += rows * k
