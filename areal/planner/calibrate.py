@@ -78,7 +78,7 @@ def _speedups(
         measured = sum(y for _, y in xs)
         if len(xs) < 3 or measured <= 0:
             continue
-        out[n] = max(0.5, float(sum(x @ coef for x, _ in xs) / measured))
+        out[n] = max(0.05, float(sum(x @ coef for x, _ in xs) / measured))
         notes.append(f"{what} on {n} threads: {out[n]:.2f}x one thread ({len(xs)} spans)")
     if len(out) == 1:
         notes.append(f"{what}: no span on lent cores; a second thread assumed to add nothing")
