@@ -19,10 +19,14 @@ is about: the one loaded, published, or held while generating. Kinds, by role:
 |               | pause            | /pause_generation until /continue_generation, or an         |
 |               |                  | /update_weights_from_disk with abort_all_requests           |
 |               | load             | /update_weights_from_disk of `version`                      |
+|               | decode           | a window of decode steps (embedded engine): `steps`,        |
+|               |                  | `rows`, `cells` (context tokens), `prefill` tokens of       |
+|               |                  | `prefill_rows`, `threads` (the planner's calibration)       |
 | trainer{r}    | wait_batch       | asking for (rank 0) or receiving (ranks > 0) the next batch |
 |               | proximal         | the no-grad forward pass of the proximal log-probs          |
 |               | reference        | the reference policy's forward pass (ppo.kl_coef > 0)       |
 |               | update           | one PPO minibatch: forward, backward, optimizer step        |
+|               |                  | (`tokens`, `seqs`, `mbs`: what it computed; proximal too)   |
 |               | publish          | writing weights/v`version` and telling the controller       |
 |               | checkpoint       | saving a checkpoint                                         |
 | controller0   | update_weights   | fan-out of `version` until every server has loaded it      |
@@ -52,6 +56,7 @@ KINDS = {
     "generate": "generating",
     "pause": "paused (interrupted by a weight update)",
     "load": "loading weights",
+    "decode": "decode steps (a window)",
     "wait_batch": "waiting for a batch",
     "proximal": "proximal log-prob pass",
     "reference": "reference policy pass (KL)",

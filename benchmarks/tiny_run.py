@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -15,10 +17,16 @@ TINY = ROOT / "configs/tiny.yaml"
 
 
 def train_tiny(
-    fileroot: str, name: str, steps: int, overrides: list[str], config: Path = TINY
+    fileroot: str,
+    name: str,
+    steps: int,
+    overrides: list[str],
+    config: Path = TINY,
+    timeout_s: float | None = None,
 ) -> list[dict]:
     """`python -m areal.train --config CONFIG ...`; returns its metrics lines. The tiny
-    model is made by the first run that needs it, once per machine (areal/models/cache.py)."""
+    model is made by the first run that needs it, once per machine (areal/models/cache.py).
+    timeout_s: a deadline for the whole run (subprocess.TimeoutExpired past it)."""
     cmd = [
         sys.executable,
         "-m",
@@ -30,7 +38,20 @@ def train_tiny(
         f"total_train_steps={steps}",
         *overrides,
     ]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    # Its own session, so that a run past its deadline is stopped with every role it started.
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout_s)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):  # (its session sees no Ctrl-C)
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its roles
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        raise
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
     experiment = yaml.safe_load(Path(config).read_text())["experiment_name"]
     lines = (Path(fileroot) / experiment / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]

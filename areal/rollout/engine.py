@@ -55,6 +55,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.cores import Cores
 from areal.lora import is_adapter_dir
+from areal.rollout.activity import DecodeMeter
 from areal.rollout.generation import PAUSE_MODES, GenerationResult, Request, SamplingParams
 from areal.rollout.kv_cache import KVCache
 from areal.rollout.sampling import sample
@@ -129,6 +130,7 @@ class DecodeEngine:
         self._model_path = str(model_path)
         self._weight_version = weight_version
         self._counters = collections.Counter()
+        self._meter = DecodeMeter()  # `decode` spans of the timeline (areal/events.py)
         self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
 
     @classmethod
@@ -366,10 +368,12 @@ class DecodeEngine:
             with self._cv:
                 batch = self._next_batch_locked()
                 if batch is None:
+                    self._meter.flush()
                     return
                 self._stepping = True
                 stale, self._kv_stale = self._kv_stale, False
             self.cores.work()  # may wait briefly for a peer to hand back this server's cores
+            t_step = time.time()
             batch = self._place(batch, stale)
             fresh = [r for r in batch if not r.cached]  # prefilled by this step
             tokens: list[int] = []
@@ -381,12 +385,15 @@ class DecodeEngine:
                 logger.exception("decode step failed")
                 error = e
             finished: list[Request] = []
+            prefilled = sum(len(r.prompt_ids) + len(r.output_ids) - 1 for r in fresh)
+            cells = sum(self._kv.lens)  # the context each row attended to (C-level sum)
+            self._meter.step(
+                t_step, time.time(), len(batch), cells, prefilled, len(fresh), self.cores.threads
+            )
             with self._cv:
                 self._stepping = False
                 self._counters["steps"] += 1
-                self._counters["prefilled"] += sum(
-                    len(r.prompt_ids) + len(r.output_ids) - 1 for r in fresh
-                )
+                self._counters["prefilled"] += prefilled
                 if error is not None:
                     for req in batch:
                         self._finish_locked(req, _abort(f"decode step failed: {error}"), finished)

@@ -246,7 +246,9 @@ def train_step(
         first = set(shares[0]) if reuse_first else set()
         rest = [i for i in mine if i not in first]
         if rest:
-            with events.span("proximal", version=version):
+            # What the pass computes, for the planner's cost fit (areal/planner/calibrate.py).
+            work = dict(tokens=sum(seqlens[i] for i in rest), seqs=len(rest))
+            with events.span("proximal", version=version, **work):
                 logprobs = proximal_logprobs(
                     backend, [seqs[i] for i in rest], max_tokens_per_mb, [starts[i] for i in rest]
                 )
@@ -369,7 +371,10 @@ def train_step(
         # update to the same weights.
         backend.reduce_grads(dp)
         grad_norms.append(backend.optimizer_step())
-        events.record("update", t_update, time.time(), version=version)
+        events.record(
+            "update", t_update, time.time(), version=version,
+            tokens=sum(seqlens[i] for i in share), seqs=len(share), mbs=len(mbs),
+        )  # fmt: skip
 
     if ppo.m2po_tau is not None:
         stats["loss/n_m2po_masked_tokens"] = float(n_m2po)

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from areal import events, rolelog
-from areal.rollout.activity import ServerActivity
+from areal.rollout.activity import DecodeMeter, ServerActivity
 
 
 @pytest.fixture
@@ -94,6 +94,25 @@ def test_span_records_even_when_the_block_raises(event_log):
 def _kinds(log) -> list[tuple[str, int | None]]:
     log.flush()
     return [(e["kind"], e["version"]) for e in map(json.loads, log.path.read_text().splitlines())]
+
+
+def test_decode_windows_sum_steps_and_close_on_a_gap_threads_or_length(event_log):
+    meter = DecodeMeter()
+    meter.step(0.000, 0.002, rows=4, cells=40, prefill=30, prefill_rows=4, threads=1)
+    meter.step(0.002, 0.003, rows=4, cells=44, prefill=0, prefill_rows=0, threads=1)
+    meter.step(0.100, 0.101, rows=2, cells=30, prefill=0, prefill_rows=0, threads=1)  # a gap
+    meter.step(0.101, 0.102, rows=2, cells=32, prefill=0, prefill_rows=0, threads=2)  # threads
+    meter.step(0.102, 0.500, rows=2, cells=34, prefill=0, prefill_rows=0, threads=2)  # length
+    meter.flush()
+    event_log.flush()
+    spans = [json.loads(x) for x in event_log.path.read_text().splitlines()]
+    keys = ("kind", "start", "end", "steps", "rows", "cells")
+    assert [tuple(s[k] for k in keys) for s in spans] == [
+        ("decode", 0.0, 0.003, 2, 8, 84), ("decode", 0.1, 0.101, 1, 2, 30),
+        ("decode", 0.101, 0.102, 1, 2, 32), ("decode", 0.102, 0.5, 1, 2, 34),
+    ]  # fmt: skip
+    assert spans[0]["prefill"] == 30 and spans[0]["prefill_rows"] == 4
+    assert [s["threads"] for s in spans] == [1, 1, 2, 2]
 
 
 def test_server_lane_generate_pause_load_continue(event_log):

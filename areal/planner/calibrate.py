@@ -1,0 +1,313 @@
+"""Fit a CPU profile's cost models from one short profiling run's timeline.
+
+    events/server*.jsonl   decode windows: seconds ~ steps, rows, cells, prefill, prefill rows
+                           (by threads); load spans -> load_s
+    events/trainer*.jsonl  update spans: seconds ~ tokens, seqs, (micro-batches); proximal
+                           spans likewise; borrow spans -> which of them ran on lent cores;
+                           publish -> publish_s; what lies between the spans -> step_s
+    events/controller0     update_weights beyond the slowest load -> fanout_s
+    batches.jsonl          output lengths, by group (group_size consecutive samples)
+
+Least squares with coefficients kept >= 0 (a cost is never negative: a column whose
+coefficient would be is dropped and the rest refitted). The speed-up on n threads is the
+one-thread fit's prediction over the measured time, summed over the spans run on n threads.
+Run it on a run of the configuration you plan (its lengths and batch shapes), with
+stats.events on (the default) and the embedded engine (SGLang records no decode windows).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from areal.config import ConfigError
+from areal.cores import node_cores
+from areal.planner.costs import DecodeCost, Handoff, Lengths, Profile, TrainCost
+from areal.report.data import NotARunError, Run, load_run
+
+MIN_SPANS = 8
+"""Fewer spans than this of a kind fit nothing reliably: the run was too short."""
+DEFAULT_GROUP_OVERHEAD_S = 0.004
+"""Admission to server and last sample to buffer, when the run shows no idle server to
+measure it on (controller + rollout worker + grading of a tiny task: a few ms)."""
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: drop the most negative and refit."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        del active[int(np.argmin(sol))]
+    return coef
+
+
+def _r2(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> float:
+    resid = y - x @ coef
+    total = ((y - y.mean()) ** 2).sum()
+    return float(1 - (resid**2).sum() / total) if total > 0 else 1.0
+
+
+def _spans(run: Run, role_prefix: str, kind: str) -> list[dict]:
+    return [e for e in run.events if e["role"].startswith(role_prefix) and e["kind"] == kind]
+
+
+def _borrowed(span: dict, borrows: list[dict]) -> float:
+    """Mean extra shares the span ran on (the role's borrow spans overlapping it)."""
+    dur = span["end"] - span["start"]
+    if dur <= 0:
+        return 0.0
+    lent = sum(
+        b.get("lent", 1) * max(0.0, min(b["end"], span["end"]) - max(b["start"], span["start"]))
+        for b in borrows
+    )
+    return lent / dur
+
+
+def _speedups(
+    rows: list[tuple[int, np.ndarray, float]], coef: np.ndarray, notes: list[str], what: str
+) -> dict[int, float]:
+    """{threads: one-thread prediction / measured} over the spans on each thread count."""
+    out = {1: 1.0}
+    for n in sorted({t for t, _, _ in rows if t > 1}):
+        xs = [(x, y) for t, x, y in rows if t == n]
+        measured = sum(y for _, y in xs)
+        if len(xs) < 3 or measured <= 0:
+            continue
+        out[n] = max(0.05, float(sum(x @ coef for x, _ in xs) / measured))
+        notes.append(f"{what} on {n} threads: {out[n]:.2f}x one thread ({len(xs)} spans)")
+    if len(out) == 1:
+        notes.append(f"{what}: no span on lent cores; a second thread assumed to add nothing")
+    return out
+
+
+def fit_decode(run: Run, notes: list[str]) -> DecodeCost:
+    windows = _spans(run, "server", "decode")
+    if len(windows) < MIN_SPANS:
+        raise ConfigError(
+            f"{run.path} has {len(windows)} decode windows (events/server*.jsonl, kind "
+            "'decode'); the fit needs at least "
+            f"{MIN_SPANS}. Profile a run of the embedded engine (inference.backend=embedded) "
+            "with stats.events=true and at least 20 steps, made by this version of areal"
+        )
+    cols = ("steps", "rows", "cells", "prefill", "prefill_rows")
+    rows = [
+        (int(w.get("threads", 1)), np.array([w[c] for c in cols], float), w["end"] - w["start"])
+        for w in windows
+    ]
+    base = min(t for t, _, _ in rows)
+    x = np.array([r[1] for r in rows if r[0] == base])
+    y = np.array([r[2] for r in rows if r[0] == base])
+    coef = nnls(x, y)
+    notes.append(f"decode fit over {len(y)} windows on {base} thread(s): R^2 {_r2(x, y, coef):.3f}")
+    speedup = _speedups([(t, xx, yy) for t, xx, yy in rows], coef, notes, "decode")
+    if base != 1:  # the fit is of `base` threads; express it against one
+        notes.append(f"decode: no one-thread window; costs are of {base} threads")
+    return DecodeCost(*map(float, coef), speedup=speedup, group_s=_group_s(run, windows, notes))
+
+
+def _group_s(run: Run, windows: list[dict], notes: list[str]) -> float:
+    """Server time per group outside decode steps: the servers' generate spans (requests in
+    flight) less their decode windows, over the groups generated."""
+    generating = sum(e["end"] - e["start"] for e in _spans(run, "server", "generate"))
+    stepping = sum(w["end"] - w["start"] for w in windows)
+    group_size = int((run.config.get("rollout") or {}).get("group_size", 1)) or 1
+    groups = sum(len(b["output_len"]) for b in run.batches) / group_size
+    if not generating or not groups:
+        notes.append("decode: no generate spans; no server time outside decode steps assumed")
+        return 0.0
+    value = max(0.0, generating - stepping) / groups
+    notes.append(
+        f"decode: {100 * stepping / generating:.0f}% of the servers' generate spans are decode "
+        f"steps; the rest is {1000 * value:.2f} ms a group"
+    )
+    return value
+
+
+def fit_train(run: Run, notes: list[str]) -> TrainCost:
+    borrows = _spans(run, "trainer0", "borrow")
+    updates = [s for s in _spans(run, "trainer0", "update") if "tokens" in s]
+    if len(updates) < MIN_SPANS:
+        raise ConfigError(
+            f"{run.path} has {len(updates)} update spans with their work (tokens, seqs, mbs) "
+            f"in events/trainer0.jsonl; the fit needs at least {MIN_SPANS}: profile a run of "
+            "at least 20 steps made by this version of areal, with stats.events=true"
+        )
+
+    def fit(spans: list[dict], cols: tuple[str, ...], what: str):
+        rows = []
+        for s in spans:
+            lent = _borrowed(s, borrows)
+            threads = 1 + round(lent) if lent > 0.8 or lent < 0.2 else 0  # 0: mixed, unused
+            feats = np.array([s.get(c, 1) if c != "one" else 1 for c in cols], float)
+            rows.append((threads, feats, s["end"] - s["start"]))
+        x = np.array([f for t, f, _ in rows if t == 1])
+        y = np.array([d for t, _, d in rows if t == 1])
+        if len(y) < MIN_SPANS:  # everything on lent cores: fit all, say so
+            x = np.array([f for _, f, _ in rows])
+            y = np.array([d for _, _, d in rows])
+            notes.append(f"{what}: too few one-thread spans; fitted over all of them")
+        # A column that never varies (a minibatch's sequences, with a fixed batch) is the
+        # constant's: fitting both would split one cost between them at random.
+        keep = [j for j, c in enumerate(cols) if c == "one" or x[:, j].std() > 0]
+        coef = np.zeros(len(cols))
+        coef[keep] = nnls(x[:, keep], y)
+        notes.append(f"{what} fit over {len(y)} spans: R^2 {_r2(x, y, coef):.3f}")
+        dropped = [c for j, c in enumerate(cols) if j not in keep]
+        if dropped:
+            notes.append(f"{what}: {', '.join(dropped)} never varied; counted in the constant")
+        return coef, [r for r in rows if r[0] > 0]
+
+    # Micro-batches add a column only where their count varies (else it is the constant).
+    varies = len({s.get("mbs", 1) for s in updates}) > 1
+    cols = ("tokens", "seqs", "mbs", "one") if varies else ("tokens", "seqs", "one")
+    coef, rows = fit(updates, cols, "update")
+    speedup = _speedups(rows, coef, notes, "trainer")
+    token_s, seq_s = coef[0], coef[1]
+    mb_s = coef[2] if varies else 0.0
+    minibatch_s = coef[-1]
+    prox = [s for s in _spans(run, "trainer0", "proximal") if "tokens" in s]
+    if len(prox) >= MIN_SPANS:
+        pc, _ = fit(prox, ("tokens", "seqs", "one"), "proximal")
+    else:
+        pc = np.array([token_s / 3, seq_s / 3, 0.0])
+        notes.append("proximal: too few spans; a third of an update's costs assumed")
+    step_s, rpc_s = _trainer_gaps(run)
+    return TrainCost(
+        token_s=float(token_s),
+        seq_s=float(seq_s),
+        mb_s=float(mb_s),
+        minibatch_s=float(minibatch_s),
+        prox_token_s=float(pc[0]),
+        prox_seq_s=float(pc[1]),
+        prox_const_s=float(pc[2]),
+        step_s=step_s,
+        rpc_s=rpc_s,
+        speedup=speedup,
+    )
+
+
+def _trainer_gaps(run: Run) -> tuple[float, float]:
+    """(median seconds of a step outside its spans, the shortest get_batch)."""
+    spans = [e for e in run.events if e["role"] == "trainer0" and e["kind"] != "borrow"]
+    waits = [e for e in spans if e["kind"] == "wait_batch"]
+    gaps = []
+    for a, b in zip(waits, waits[1:], strict=False):
+        inside = sum(
+            e["end"] - e["start"]
+            for e in spans
+            if e["kind"] not in ("wait_batch",) and a["end"] <= e["start"] < b["start"]
+        )
+        gaps.append(b["start"] - a["end"] - inside)
+    step_s = float(np.median(gaps)) if gaps else 0.0
+    # get_batch's own cost: the waits of the steps that found a batch ready (a whole batch
+    # more still ready after it: metrics' rollout/groups_ready); else the shortest wait.
+    batch = int((run.config.get("trainer") or {}).get("batch_size", 0)) or 1
+    ready = {m["step"] - 1 for m in run.metrics if m.get("rollout/groups_ready", 0) >= batch}
+    sure = [e["end"] - e["start"] for e in waits[1:] if e.get("version") in ready]
+    if len(sure) >= 3:
+        rpc_s = float(np.median(sure))
+    else:
+        rpc_s = float(min(e["end"] - e["start"] for e in waits[1:])) if len(waits) > 1 else 0.0
+    return max(0.0, step_s), max(0.0, rpc_s)
+
+
+def fit_handoff(run: Run) -> Handoff:
+    publish = [e["end"] - e["start"] for e in _spans(run, "trainer0", "publish")]
+    loads = _spans(run, "server", "load")
+    if not publish or not loads:
+        raise ConfigError(
+            f"{run.path} has no publish or load spans: the run trained no step that a server "
+            "loaded; profile a run of at least 20 steps"
+        )
+    by_version: dict[int, float] = {}
+    for e in loads:
+        v = e.get("version")
+        by_version[v] = max(by_version.get(v, 0.0), e["end"] - e["start"])
+    fanout = [
+        e["end"] - e["start"] - by_version[e["version"]]
+        for e in _spans(run, "controller", "update_weights")
+        if e.get("version") in by_version
+    ]
+    return Handoff(
+        publish_s=float(np.median(publish)),
+        load_s=float(np.median([e["end"] - e["start"] for e in loads])),
+        fanout_s=max(0.0, float(np.median(fanout))) if fanout else 0.0,
+    )
+
+
+def fit_lengths(run: Run, group_size: int) -> Lengths:
+    if not run.batches:
+        raise ConfigError(f"{run.path} has no batches.jsonl: the output lengths come from it")
+    groups = [
+        b["output_len"][i : i + group_size]
+        for b in run.batches
+        for i in range(0, len(b["output_len"]), group_size)
+    ]
+    # Prompt tokens: an update's tokens less the outputs it trained on, per step.
+    updates = [s for s in _spans(run, "trainer0", "update") if "tokens" in s]
+    prompts = []
+    for b in run.batches:
+        tokens = sum(s["tokens"] for s in updates if s.get("version") == b["step"] - 1)
+        if tokens:
+            prompts.append((tokens - sum(b["output_len"])) / len(b["output_len"]))
+    prompt_len = float(np.median(prompts)) if prompts else 16.0
+    return Lengths(prompt_len=max(1.0, prompt_len), groups=groups)
+
+
+def group_overhead(run: Run, notes: list[str]) -> float:
+    """Twice the time from a version's fan-out end (the gate opens) to an idle server's next
+    generate span: admission to server, one way."""
+    gens = _spans(run, "server", "generate")
+    delays = []
+    for u in _spans(run, "controller", "update_weights"):
+        t = u["end"]
+        if any(g["start"] <= t < g["end"] for g in gens):
+            continue  # a server generating: nothing to measure
+        later = [g["start"] - t for g in gens if 0 <= g["start"] - t < 0.5]
+        if later:
+            delays.append(min(later))
+    if len(delays) < 3:
+        notes.append(
+            f"group overhead: no idle server to measure; {DEFAULT_GROUP_OVERHEAD_S} s assumed"
+        )
+        return DEFAULT_GROUP_OVERHEAD_S
+    value = 2 * float(np.median(delays))
+    notes.append(
+        f"group overhead: {value * 1000:.1f} ms (twice admission -> server, {len(delays)} gaps)"
+    )
+    return value
+
+
+def calibrate(run_dir: str | Path, cores: int | None = None) -> Profile:
+    """The CPU profile of the run at run_dir (`cores`: the node's, by default this machine's)."""
+    try:
+        run = load_run(run_dir)
+    except NotARunError as e:
+        raise ConfigError(f"cannot calibrate from {run_dir}: {e}") from None
+    if not run.events:
+        raise ConfigError(
+            f"{run_dir} recorded no events (stats.events=false?): the planner's costs come from "
+            "the timeline; profile a run with stats.events=true"
+        )
+    group_size = int((run.config.get("rollout") or {}).get("group_size", 0))
+    if group_size < 1:
+        raise ConfigError(f"{run_dir}/config.yaml gives no rollout.group_size")
+    notes: list[str] = []
+    cores = cores or node_cores()
+    profile = Profile(
+        device="cpu",
+        cores=cores,
+        decode=fit_decode(run, notes),
+        train=fit_train(run, notes),
+        handoff=fit_handoff(run),
+        lengths=fit_lengths(run, group_size),
+        group_overhead_s=group_overhead(run, notes),
+        source=str(Path(run_dir).resolve()),
+        notes=notes + [f"cores: {cores} (the machine the profile was made on, unless given)"],
+    )
+    return profile
