@@ -83,6 +83,13 @@ MAX_OPERAND = 5
 # Learning rates: the tiny task's; on the math task's longer answers 1e-3 drives the warmed-up
 # policy within ten steps to 128-token answers without a box (reward -5 throughout).
 LR = {"arith": 1e-3, "math": 1e-4}
+
+
+def learning_rate(data: str) -> float:
+    """`data`: the math records' file ("": the arith task)."""
+    return LR["math" if data else "arith"]
+
+
 WARMUP_STEPS = 200  # the math model's: it boxes its answers (a random one never does)
 TASKS = ("arith", "math")
 GEOMETRIES = "145k:32:8:8,4m:128:8:8,4m:64:16:4"
@@ -144,7 +151,7 @@ def areal_overrides(model: Path | str, geo: Geometry, eta: int, dtype: str, data
         f"model.path={model}", f"model.dtype={dtype}", f"max_staleness={eta}",
         f"rollout.max_new_tokens={geo.new}", f"rollout.group_size={geo.group}",
         f"trainer.batch_size={geo.prompts}", *task, "ppo.n_minibatches=1",
-        f"trainer.lr={LR['math' if data else 'arith']}",
+        f"trainer.lr={learning_rate(data)}",
         "trainer.warmup_steps_ratio=0", "trainer.mb_spec.max_tokens_per_mb=8192",
     ]  # fmt: skip
 
@@ -253,7 +260,7 @@ def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str, out
     batch = geo.prompts * geo.group
     config = GRPOConfig(
         output_dir=out, per_device_train_batch_size=batch, num_generations=geo.group,
-        max_completion_length=geo.new, learning_rate=LR["math" if data else "arith"], beta=0.0,
+        max_completion_length=geo.new, learning_rate=learning_rate(data), beta=0.0,
         temperature=1.0,
         logging_steps=1, max_steps=steps, report_to="none", save_strategy="no", use_cpu=True,
         lr_scheduler_type="constant", warmup_steps=0, disable_tqdm=True, seed=1,

@@ -35,7 +35,7 @@ from areal.config import RewardConfig
 from areal.cores import Grading
 from areal.process import die_with_parent
 from areal.reward import sandbox
-from areal.tasks import load_task
+from areal.tasks import Task, load_task
 
 log = logging.getLogger("areal.reward")
 
@@ -128,7 +128,9 @@ class RewardService:
             self.verdicts.pop(key, None)
         return bool(verdict)
 
-    async def _grade_fully(self, grader: Any, task: str, response: str, answer: Any) -> bool | None:
+    async def _grade_fully(
+        self, grader: Task, task: str, response: str, answer: Any
+    ) -> bool | None:
         """is_correct's verdict (in the pool, or here for grade_inline), or None where it
         failed (a timeout, a dead process, a grader error: counted, and scored wrong)."""
         try:
