@@ -3,7 +3,7 @@ staleness, its recommendation against a hand-measured grid, and the paper's 1.5B
 
     python benchmarks/planner.py [--configs tiny,tiny_longtail] [--etas 0,1,4,16]
         [--servers 1,2] [--steps tiny=80,tiny_longtail=40] [--fileroot DIR]
-        [--model CONFIG=DIR ...] [--reuse] [--timeout-s 900] [--no-paper]
+        [--model CONFIG=DIR ...] [--repeats 3] [--reuse] [--timeout-s 900] [--no-paper]
 
 Per config: ONE profiling run (the config as it is, `--steps` steps) is calibrated
 (areal/planner/calibrate.py); every grid point (servers x eta) is then a run of its own,
@@ -93,18 +93,26 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
     idle = {k: round(v, 2) for k, v in r.idle.items()}
     print(f"  in-sample: measured {tput:,.0f} tok/s, staleness {stale:.2f}; predicted "
           f"{p_tput:,.0f}, {p_stale:.2f}; idle {idle}")  # fmt: skip
-    rows = []
-    for servers in args.servers:
-        for eta in args.etas:
+    # Repeats go round the grid (not one point k times), so that a slow spell of the machine
+    # spoils one run of several points rather than every run of one.
+    grid = [(servers, eta) for servers in args.servers for eta in args.etas]
+    paths: dict[tuple[int, int], list[Path]] = {point: [] for point in grid}
+    for k in range(args.repeats):
+        for servers, eta in grid:
             overrides = [f"max_staleness={eta}", f"rollout.n_servers={servers}"]
-            path = run(args, config, f"{name}-s{servers}-e{eta}", overrides)
-            cfg = load_config(str(path / "config.yaml"))
-            tput, stale = measured(path)
-            p_tput, p_stale, r = predict(profile, cfg, eta, servers, args.steps[name])
-            row = dict(config=name, servers=servers, eta=eta, tput=tput, p_tput=p_tput,
-                       stale=stale, p_stale=p_stale, bottleneck=r.bottleneck)  # fmt: skip
-            rows.append(row)
-            print(f"  {format_row(row)}", flush=True)
+            name_k = f"{name}-s{servers}-e{eta}" + (f"-r{k}" if k else "")
+            paths[servers, eta].append(run(args, config, name_k, overrides))
+    rows = []
+    for servers, eta in grid:
+        cfg = load_config(str(paths[servers, eta][0] / "config.yaml"))
+        runs = sorted(measured(p) for p in paths[servers, eta])
+        tput, stale = runs[len(runs) // 2]  # the median run by throughput
+        p_tput, p_stale, r = predict(profile, cfg, eta, servers, args.steps[name])
+        row = dict(config=name, servers=servers, eta=eta, tput=tput, p_tput=p_tput,
+                   stale=stale, p_stale=p_stale, bottleneck=r.bottleneck,
+                   runs=[round(t) for t, _ in runs])  # fmt: skip
+        rows.append(row)
+        print(f"  {format_row(row)}  runs {row['runs']}", flush=True)
     return rows
 
 
@@ -190,6 +198,7 @@ def main() -> None:
     ap.add_argument("--model", action="append", default=[], help="CONFIG=DIR: model.path")
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each run")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per grid point (the median)")
     ap.add_argument("--no-paper", action="store_true")
     ap.add_argument("--paper-steps", type=int, default=20)
     args = ap.parse_args()
