@@ -20,8 +20,8 @@ is about: the one loaded, published, or held while generating. Kinds, by role:
 |               |                  | /update_weights_from_disk with abort_all_requests           |
 |               | load             | /update_weights_from_disk of `version`                      |
 |               | decode           | a window of decode steps (embedded engine): `steps`,        |
-|               |                  | `rows`, `cells` (context tokens), `prefill` tokens of       |
-|               |                  | `prefill_rows`, `threads` (the planner's calibration)       |
+|               |                  | `rows`, `cells` (context tokens), `read` (cells attention   |
+|               |                  | read), `prefill` tokens of `prefill_rows`, `threads`        |
 | trainer{r}    | wait_batch       | asking for (rank 0) or receiving (ranks > 0) the next batch |
 |               | proximal         | the no-grad forward pass of the proximal log-probs          |
 |               | reference        | the reference policy's forward pass (ppo.kl_coef > 0)       |
@@ -32,6 +32,9 @@ is about: the one loaded, published, or held while generating. Kinds, by role:
 | controller0   | update_weights   | fan-out of `version` until every server has loaded it      |
 | server{k},    | borrow           | computing on the cores of `lent` waiting roles of the node  |
 | trainer{r}    |                  | (areal/cores.py; overlaps the spans above)                  |
+| every role    | cpu              | not a span of work: the process's CPU seconds (`cpu_s`, all |
+|               |                  | its threads) since the previous sample, every              |
+|               |                  | CPU_SAMPLE_S (the planner's share of the other processes)   |
 
 Recording costs a dict, a json.dumps and a list append: a process-wide EventLog is set up
 once by `configure` (areal.worker, the embedded server), and `span`/`record` do nothing in
@@ -51,6 +54,8 @@ from typing import Any
 
 FLUSH_INTERVAL_S = 1.0
 """Buffered spans reach the file at most this long after they end (and at exit)."""
+CPU_SAMPLE_S = 2.0
+"""How often a configured process records its CPU seconds (a `cpu` record)."""
 
 KINDS = {
     "generate": "generating",
@@ -65,6 +70,7 @@ KINDS = {
     "checkpoint": "saving a checkpoint",
     "update_weights": "weight update fan-out",
     "borrow": "on cores a waiting role lent",
+    "cpu": "the process's CPU seconds (a sample)",
 }
 """Every span kind and what it means (the report's legend)."""
 
@@ -87,6 +93,7 @@ class EventLog:
         self._lines: list[str] = []
         self._last_flush = time.time()
         self._lock = threading.Lock()
+        self.closed = threading.Event()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Append: a restarted server goes on with the file its previous process wrote.
         self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
@@ -111,6 +118,7 @@ class EventLog:
             self._lines.clear()
 
     def close(self) -> None:
+        self.closed.set()
         self.flush()
         with self._lock:
             self._file.close()
@@ -121,13 +129,24 @@ _log: EventLog | None = None
 
 def configure(path: str | Path, role: str) -> EventLog:
     """Record this process's spans as `role` to `path` (events_path(exp_dir, role) in a run);
-    the buffer is written at exit."""
+    the buffer is written at exit. A daemon thread samples the process's CPU seconds."""
     global _log
     if _log is not None:
         _log.close()
     _log = EventLog(path, role)
     atexit.register(_log.close)
+    threading.Thread(target=_sample_cpu, args=(_log,), name="events-cpu", daemon=True).start()
     return _log
+
+
+def _sample_cpu(log: EventLog) -> None:
+    """`cpu` records of `log`'s process until it closes: the CPU the roles that record few
+    spans use (controller, rollout worker, reward service), which the planner counts."""
+    t, cpu = time.time(), time.process_time()
+    while not log.closed.wait(CPU_SAMPLE_S):
+        now, now_cpu = time.time(), time.process_time()
+        log.record("cpu", t, now, cpu_s=round(now_cpu - cpu, 4))
+        t, cpu = now, now_cpu
 
 
 def flush() -> None:

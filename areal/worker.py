@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     name = f"{args.role}{args.index}"  # as logs/{name}.log and events/{name}.jsonl
     rolelog.setup(name)
     cfg = load_config(f"{args.exp_dir}/config.yaml")
-    if cfg.stats.events and args.role in ("controller", "trainer"):
+    # Servers configure their own (the embedded server process); every other role records
+    # its spans and, rollout workers and the reward service included, its CPU samples.
+    if cfg.stats.events and args.role != "server":
         events.configure(events_path(cfg.exp_dir, name), name)
     if args.role == "server":
         from areal.rollout.launch import exec_server

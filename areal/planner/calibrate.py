@@ -1,6 +1,6 @@
 """Fit a CPU profile's cost models from one short profiling run's timeline.
 
-    events/server*.jsonl   decode windows: seconds ~ steps, rows, cells, prefill, prefill rows
+    events/server*.jsonl   decode windows: seconds ~ steps, rows, cells read, prefill, prefill rows
                            (by threads); load spans -> load_s
     events/trainer*.jsonl  update spans: seconds ~ tokens, seqs, (micro-batches); proximal
                            spans likewise; borrow spans -> which of them ran on lent cores;
@@ -76,9 +76,11 @@ def _speedups(
     for n in sorted({t for t, _, _ in rows if t > 1}):
         xs = [(x, y) for t, x, y in rows if t == n]
         measured = sum(y for _, y in xs)
-        if len(xs) < 3 or measured <= 0:
+        if len(xs) < MIN_SPANS or measured <= 0:  # a few spans' noise is no speed-up
             continue
-        out[n] = max(0.05, float(sum(x @ coef for x, _ in xs) / measured))
+        # Within what n threads can do: below half of one thread is noise or a machine busy
+        # with something else, not threads.
+        out[n] = min(float(n), max(0.5, float(sum(x @ coef for x, _ in xs) / measured)))
         notes.append(f"{what} on {n} threads: {out[n]:.2f}x one thread ({len(xs)} spans)")
     if len(out) == 1:
         notes.append(f"{what}: no span on lent cores; a second thread assumed to add nothing")
@@ -94,7 +96,10 @@ def fit_decode(run: Run, notes: list[str]) -> DecodeCost:
             f"{MIN_SPANS}. Profile a run of the embedded engine (inference.backend=embedded) "
             "with stats.events=true and at least 20 steps, made by this version of areal"
         )
-    cols = ("steps", "rows", "cells", "prefill", "prefill_rows")
+    # `read`: the cells attention read (chunks of rows up to their longest), which is what a
+    # step costs; runs recorded before it was measured give the contexts' sum instead.
+    cells = "read" if all("read" in w for w in windows) else "cells"
+    cols = ("steps", "rows", cells, "prefill", "prefill_rows")
     rows = [
         (int(w.get("threads", 1)), np.array([w[c] for c in cols], float), w["end"] - w["start"])
         for w in windows

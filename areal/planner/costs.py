@@ -10,9 +10,10 @@
     hand-off     = publish_s (trainer) + fanout_s (controller) ; load_s (each server)
     lengths      = the output lengths of whole groups (resampled), or a lognormal
 
-`cells` is the context the step attends to: the sum over its rows of prompt + output so far.
-The engine's decode step reads every row's cache (areal/rollout/engine.py), so on a CPU a
-long context costs memory traffic, and on a GPU it is the KV cache that bounds a step.
+`cells` is the KV cache the step reads: on a GPU (paged attention) its rows' contexts (prompt +
+output so far); on a CPU the embedded engine reads chunks of neighbouring rows up to each
+chunk's longest row (areal/rollout/chunks.py), so one long answer among short ones costs
+rows x its length. A long context costs memory traffic on a CPU and bounds a step on a GPU.
 speedup(threads) is the speed on that many torch threads against one; on a GPU it is 1.
 
 A profile is calibrated from a run (calibrate.py) or built from published figures (gpu_h200).
@@ -39,7 +40,9 @@ class DecodeCost:
     row_s: float
     """Per row of a step (the weights' arithmetic per token, sampling)."""
     cell_s: float
-    """Per context token attended in a step (reading the KV cache)."""
+    """Per cell of KV cache a step reads: on a CPU the embedded engine's attention chunks
+    (areal/rollout/chunks.py: a chunk of rows reads up to its longest row), on a GPU the
+    contexts' tokens."""
     prefill_token_s: float
     """Per token prefilled (a new request's prompt; every prefix again after a weight load)."""
     prefill_row_s: float = 0.0

@@ -50,6 +50,7 @@ from areal.controller.buffer import ReplayBuffer
 from areal.controller.staleness import StalenessGate
 from areal.cores import BORROW_AFTER_S
 from areal.planner.costs import Profile, micro_batch_count, speed
+from areal.rollout.chunks import attention_chunks, cells_read
 
 
 @dataclass
@@ -144,7 +145,8 @@ class _Segment:
     t0: float
     rows: int
     cells: int
-    """Context tokens of the first step (each step adds `rows`)."""
+    """Cells the first step reads (each step adds `rows`): on a CPU the embedded engine's
+    attention chunks over its rows (areal/rollout/chunks.py), on a GPU the contexts' sum."""
     prefill_s: float
     """The first step's prefill of the rows not cached."""
     per_step_s: float
@@ -201,7 +203,8 @@ class _Server(_Role):
     """Decode steps done: a running request's tokens are g + clock - join_clock."""
     running: dict = field(default_factory=dict)
     heap: list = field(default_factory=list)
-    cells: int = 0
+    rows: list[_Req] = field(default_factory=list)
+    """The running requests in the engine's cache-row order (DecodeEngine._place)."""
     queue: list[_Req] = field(default_factory=list)
     held: list[_Req] = field(default_factory=list)
     prefill: list[_Req] = field(default_factory=list)
@@ -449,7 +452,6 @@ class Simulation:
             req.join_clock = srv.clock
             srv.running[req] = None
             heapq.heappush(srv.heap, (srv.clock + req.target - req.g, next(self._seq), req))
-            srv.cells += req.prompt + req.g
             if not req.cached:
                 srv.prefill.append(req)
             if req.first_version is None:
@@ -466,7 +468,7 @@ class Simulation:
         srv.seg = _Segment(
             t0=self.now,
             rows=rows,
-            cells=srv.cells,
+            cells=self._cells_read(srv),
             prefill_s=(d.prefill_token_s * pf_tokens + d.prefill_row_s * len(srv.prefill)) / rate,
             per_step_s=(d.step_s + d.row_s * rows) / rate,
             cell_s=d.cell_s / rate,
@@ -475,6 +477,21 @@ class Simulation:
             prefilled=pf_tokens,
         )
         self._schedule(srv)
+
+    def _cells_read(self, srv: _Server) -> int:
+        """Cells the next step reads. The engine's rows (DecodeEngine._place): a request keeps
+        its row, those above the kept count fill the leavers' holes, new ones follow longest
+        first; on a CPU attention reads each chunk of rows up to its longest row."""
+        row = {r: i for i, r in enumerate(srv.rows) if r in srv.running}
+        holes = iter(sorted(set(range(len(row))) - set(row.values())))
+        order = [None] * len(row)
+        for r, i in row.items():
+            order[i if i < len(row) else next(holes)] = r
+        new = [r for r in srv.running if r not in row]
+        ctx = {r: r.prompt + self._tokens(srv, r) - 1 for r in srv.running}  # cached tokens
+        srv.rows = order + sorted(new, key=lambda r: -ctx[r])
+        lens = [ctx[r] for r in srv.rows]
+        return cells_read(attention_chunks(lens)) if self.cpu else sum(lens) + len(lens)
 
     def _schedule(self, srv: _Server) -> None:
         """(Re)schedule the end of the server's segment; an older end event goes stale."""
@@ -497,7 +514,6 @@ class Simulation:
         self.prefilled += srv.seg.prefilled
         srv.seg = None
         srv.clock += k
-        srv.cells += rows * k
         self.generated += rows * k
         for req in srv.prefill:
             req.cached = True
@@ -506,7 +522,6 @@ class Simulation:
             _, _, req = heapq.heappop(srv.heap)
             del srv.running[req]
             req.g = req.target
-            srv.cells -= req.prompt + req.target
             group = req.group
             group.n_done += 1
             if group.n_done == len(group.reqs):
@@ -551,7 +566,7 @@ class Simulation:
         srv.heap.clear()
         srv.queue.clear()
         srv.prefill.clear()
-        srv.cells = 0
+        srv.rows = []  # resubmitted: new requests to the engine
 
     def _start_load(self, srv: _Server, version: int, t_update: float) -> None:
         srv.loading = True

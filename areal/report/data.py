@@ -42,8 +42,11 @@ class Run:
     metrics: list[dict]
     batches: list[dict]
     events: list[dict]
+    """The spans of work (`cpu` samples are in `cpu`)."""
     max_staleness: int | None = None
     config: dict = field(default_factory=dict)
+    cpu: list[dict] = field(default_factory=list)
+    """Each role process's CPU samples (events.py's `cpu` records)."""
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -79,14 +82,16 @@ def load_run(path: str | Path) -> Run:
 
         config = yaml.safe_load((path / "config.yaml").read_text()) or {}
     label = "/".join(str(config.get(k)) for k in ("experiment_name", "trial_name") if config.get(k))
+    events = read_events(path)
     return Run(
         path=path,
         label=label or path.name,
         metrics=metrics,
         batches=_read_jsonl(path / "batches.jsonl"),
-        events=read_events(path),
+        events=[e for e in events if e["kind"] != "cpu"],
         max_staleness=config.get("max_staleness"),
         config=config,
+        cpu=[e for e in events if e["kind"] == "cpu"],
     )
 
 

@@ -37,7 +37,7 @@ COLORS = {
     "update_weights": "#00897b",
     "borrow": "#212121",
 }
-NOT_DRAWN = {"decode"}
+NOT_DRAWN = {"decode", "cpu"}
 """Kinds the timeline leaves out: decode windows lie inside the generate spans they measure
 (the planner's calibration reads them)."""
 assert set(COLORS) | NOT_DRAWN == set(KINDS)

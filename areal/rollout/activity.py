@@ -91,15 +91,16 @@ class DecodeMeter:
     def __init__(self) -> None:
         self._start = self._end = 0.0
         self._threads = 0
-        self._sums = [0, 0, 0, 0, 0]  # steps, rows, cells, prefilled tokens, prefilled rows
+        self._sums = [0, 0, 0, 0, 0, 0]  # steps, rows, cells, read, prefilled tokens and rows
 
     def step(
-        self, start: float, end: float, rows: int, cells: int, prefill: int, prefill_rows: int,
-        threads: int,
+        self, start: float, end: float, rows: int, cells: int, read: int, prefill: int,
+        prefill_rows: int, threads: int,
     ) -> None:  # fmt: skip
         """One decode step from `start` to `end` (time.time()): `rows` requests whose
-        contexts hold `cells` tokens in all, `prefill` tokens of `prefill_rows` of them
-        prefilled first, on `threads` torch threads."""
+        contexts hold `cells` tokens in all, of which attention read `read` cells (its
+        chunks' rows x widths, areal/rollout/chunks.py), `prefill` tokens of `prefill_rows`
+        of them prefilled first, on `threads` torch threads."""
         if self._sums[0] and (
             threads != self._threads or start - self._end > self.GAP_S
             or end - self._start > self.WINDOW_S
@@ -108,14 +109,14 @@ class DecodeMeter:
         if not self._sums[0]:
             self._start, self._threads = start, threads
         self._end = end
-        for i, v in enumerate((1, rows, cells, prefill, prefill_rows)):
+        for i, v in enumerate((1, rows, cells, read, prefill, prefill_rows)):
             self._sums[i] += v
 
     def flush(self) -> None:
         if self._sums[0]:
-            steps, rows, cells, prefill, prefill_rows = self._sums
+            steps, rows, cells, read, prefill, prefill_rows = self._sums
             events.record(
                 "decode", self._start, self._end, steps=steps, rows=rows, cells=cells,
-                prefill=prefill, prefill_rows=prefill_rows, threads=self._threads,
+                read=read, prefill=prefill, prefill_rows=prefill_rows, threads=self._threads,
             )  # fmt: skip
-            self._sums = [0, 0, 0, 0, 0]
+            self._sums = [0] * 6

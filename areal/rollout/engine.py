@@ -388,7 +388,14 @@ class DecodeEngine:
             prefilled = sum(len(r.prompt_ids) + len(r.output_ids) - 1 for r in fresh)
             cells = sum(self._kv.lens)  # the context each row attended to (C-level sum)
             self._meter.step(
-                t_step, time.time(), len(batch), cells, prefilled, len(fresh), self.cores.threads
+                t_step,
+                time.time(),
+                len(batch),
+                cells,
+                self._kv.read,
+                prefilled,
+                len(fresh),
+                self.cores.threads,
             )
             with self._cv:
                 self._stepping = False
@@ -440,7 +447,7 @@ class DecodeEngine:
         for req in kept:
             req.cached = req.cached and not stale
         # New rows are prefilled anyway: longest first, so that a decode step's attention
-        # chunks (KVCache._chunks) hold rows of similar lengths.
+        # chunks (areal/rollout/chunks.py) hold rows of similar lengths.
         new = sorted(
             (r for r in batch if r not in kept_set),
             key=lambda r: -(len(r.prompt_ids) + len(r.output_ids)),

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from areal.rollout.chunks import CHUNK_ROWS, attention_chunks, cells_read
+
 # Decoder families whose layers this forward reproduces exactly: a pre-norm residual block of
 # self-attention (rotary, optional q/k norms, GQA) and a gated MLP.
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -55,7 +57,8 @@ class KVCache:
         self.n_kv: int = config.num_key_value_heads
         self.scaling: float = attn.scaling
         self.max_cells = max_cells  # rows x capacity, the memory bound
-        self.chunk_rows = 16  # rows per attention chunk of a decode step (see _chunks)
+        self.chunk_rows = CHUNK_ROWS  # rows per attention chunk (areal/rollout/chunks.py)
+        self.read = 0  # cells the last decode step read (its chunks' rows x widths)
         self.lens: list[int] = []  # cached tokens of each live row
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -175,7 +178,9 @@ class KVCache:
         # sees its cached tokens and the new one, positions <= its length (adding is cheaper
         # than masked_fill's broadcast on CPU).
         chunks = []
-        for a, b, width in self._chunks():
+        layout = attention_chunks(self.lens, self.chunk_rows)
+        self.read = cells_read(layout)
+        for a, b, width in layout:
             hidden = torch.arange(width, device=self.device)[None] > lens[a:b, None]
             bias = torch.zeros(b - a, width, dtype=self.dtype, device=self.device)
             chunks.append((a, b, width, bias.masked_fill_(hidden, float("-inf"))[:, None, None]))
@@ -199,23 +204,6 @@ class KVCache:
         self.lens = [length + 1 for length in self.lens]
         h = self.model.model.norm(h[:, 0])
         return self.model.lm_head(h)  # [n, V]
-
-    def _chunks(self) -> list[tuple[int, int, int]]:
-        """Row ranges [a, b) attended to their own longest length + 1: a step's attention
-        costs rows x longest, and with long-tailed lengths one chunk for all rows read 2.9x
-        the cells the rows hold (a tiny_longtail run). Chunks of chunk_rows rows, taken
-        only when they read at most 3/4 of one chunk's cells; the decode engine places rows
-        longest first whenever it prefills them, so that neighbours have similar lengths."""
-        n, lens = len(self.lens), self.lens
-        whole = [(0, n, max(lens) + 1)]
-        if n < 2 * self.chunk_rows:
-            return whole
-        parts = [
-            (a, min(a + self.chunk_rows, n), max(lens[a : a + self.chunk_rows]) + 1)
-            for a in range(0, n, self.chunk_rows)
-        ]
-        cells = sum((b - a) * width for a, b, width in parts)
-        return parts if 4 * cells <= 3 * n * whole[0][2] else whole
 
     def _qkv(self, layer: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normed hidden states [B, L, H] -> rotated q, k and v, each [B, heads, L, D]."""

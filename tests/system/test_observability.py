@@ -84,6 +84,10 @@ def test_every_role_records_its_spans(observed_run):
         ("trainer0", "publish"), ("trainer0", "checkpoint"), ("controller0", "update_weights"),
     ]:  # fmt: skip
         assert (role, kind) in kinds, (role, kind)
+    # Every role samples its CPU seconds; the report keeps them off the timeline's spans.
+    run = data.load_run(exp)
+    assert {e["role"] for e in run.cpu} >= {"controller0", "server0", "trainer0"}
+    assert all(e["kind"] != "cpu" for e in run.events)
     published = [e["version"] for e in spans if e["kind"] == "publish"]
     assert published == list(range(1, STEPS + 1))
     updates = [e for e in spans if e["kind"] == "update"]

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from areal.rollout.chunks import attention_chunks, cells_read
 from areal.rollout.engine import DecodeEngine, SamplingParams
 from areal.rollout.kv_cache import KVCache
 from areal.rollout.sampling import categorical
@@ -110,8 +111,10 @@ def test_cached_forward_equals_full_forward_across_row_moves(models, chunk_rows)
     cache.prefill([0, 1, 3, 4, 5], [seqs[i][:-1] for i in (0, 1, 3, 4, 5)])
     for step in range(12):
         if chunk_rows == 2:  # the lengths differ enough for chunks to pay
-            assert len(cache._chunks()) == len(seqs) // 2
+            assert len(attention_chunks(cache.lens, chunk_rows)) == len(seqs) // 2
+        layout = attention_chunks(cache.lens, chunk_rows)
         logits = cache.decode([s[-1] for s in seqs])
+        assert cache.read == cells_read(layout)  # what the planner costs a step by
         for row, s in enumerate(seqs):
             with torch.no_grad():
                 ref = model(input_ids=torch.tensor([s])).logits[0, -1]

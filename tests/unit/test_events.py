@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 
 import pytest
 
@@ -16,10 +17,27 @@ from areal.rollout.activity import DecodeMeter, ServerActivity
 def event_log(tmp_path, monkeypatch):
     """A configured process-wide EventLog, removed afterwards."""
     monkeypatch.setattr(events, "_log", None)
+    monkeypatch.setattr(events, "CPU_SAMPLE_S", 3600)  # no `cpu` record among the spans
     log = events.configure(events.events_path(tmp_path, "server0"), "server0")
     yield log
     log.close()
     monkeypatch.setattr(events, "_log", None)
+
+
+def test_a_configured_process_samples_its_cpu_seconds(tmp_path, monkeypatch):
+    monkeypatch.setattr(events, "_log", None)
+    monkeypatch.setattr(events, "CPU_SAMPLE_S", 0.05)
+    log = events.configure(events.events_path(tmp_path, "controller0"), "controller0")
+    busy_until = time.process_time() + 0.2
+    while time.process_time() < busy_until:  # 0.2 CPU-s in this process
+        pass
+    time.sleep(0.15)
+    log.close()
+    monkeypatch.setattr(events, "_log", None)
+    cpu = [e for e in events.read_events(tmp_path) if e["kind"] == "cpu"]
+    assert len(cpu) >= 3 and all(e["role"] == "controller0" for e in cpu)
+    assert all(a["end"] == b["start"] for a, b in zip(cpu, cpu[1:], strict=False))
+    assert 0.15 <= sum(e["cpu_s"] for e in cpu) <= sum(e["end"] - e["start"] for e in cpu) + 0.05
 
 
 def test_spans_are_buffered_then_written_whole(tmp_path):
@@ -98,18 +116,19 @@ def _kinds(log) -> list[tuple[str, int | None]]:
 
 def test_decode_windows_sum_steps_and_close_on_a_gap_threads_or_length(event_log):
     meter = DecodeMeter()
-    meter.step(0.000, 0.002, rows=4, cells=40, prefill=30, prefill_rows=4, threads=1)
-    meter.step(0.002, 0.003, rows=4, cells=44, prefill=0, prefill_rows=0, threads=1)
-    meter.step(0.100, 0.101, rows=2, cells=30, prefill=0, prefill_rows=0, threads=1)  # a gap
-    meter.step(0.101, 0.102, rows=2, cells=32, prefill=0, prefill_rows=0, threads=2)  # threads
-    meter.step(0.102, 0.500, rows=2, cells=34, prefill=0, prefill_rows=0, threads=2)  # length
+    meter.step(0.000, 0.002, rows=4, cells=40, read=48, prefill=30, prefill_rows=4, threads=1)
+    meter.step(0.002, 0.003, rows=4, cells=44, read=52, prefill=0, prefill_rows=0, threads=1)
+    # Then a gap, a change of threads, a window's length.
+    meter.step(0.100, 0.101, rows=2, cells=30, read=30, prefill=0, prefill_rows=0, threads=1)
+    meter.step(0.101, 0.102, rows=2, cells=32, read=32, prefill=0, prefill_rows=0, threads=2)
+    meter.step(0.102, 0.500, rows=2, cells=34, read=34, prefill=0, prefill_rows=0, threads=2)
     meter.flush()
     event_log.flush()
     spans = [json.loads(x) for x in event_log.path.read_text().splitlines()]
-    keys = ("kind", "start", "end", "steps", "rows", "cells")
+    keys = ("kind", "start", "end", "steps", "rows", "cells", "read")
     assert [tuple(s[k] for k in keys) for s in spans] == [
-        ("decode", 0.0, 0.003, 2, 8, 84), ("decode", 0.1, 0.101, 1, 2, 30),
-        ("decode", 0.101, 0.102, 1, 2, 32), ("decode", 0.102, 0.5, 1, 2, 34),
+        ("decode", 0.0, 0.003, 2, 8, 84, 100), ("decode", 0.1, 0.101, 1, 2, 30, 30),
+        ("decode", 0.101, 0.102, 1, 2, 32, 32), ("decode", 0.102, 0.5, 1, 2, 34, 34),
     ]  # fmt: skip
     assert spans[0]["prefill"] == 30 and spans[0]["prefill_rows"] == 4
     assert [s["threads"] for s in spans] == [1, 1, 2, 2]

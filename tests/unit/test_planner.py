@@ -25,7 +25,8 @@ from areal.planner.costs import (
     micro_batch_count,
     profile_from_dict,
 )
-from areal.planner.sim import Setting, effective_throughput, simulate
+from areal.planner.sim import Setting, Simulation, _Group, _Req, effective_throughput, simulate
+from areal.rollout.chunks import attention_chunks, cells_read
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,6 +141,45 @@ def test_interrupts_reprefill_the_partial_outputs():
     assert r.interrupted > 0 and r.prefilled > 0
     r0 = simulate(p, setting(eta=0, batch_size=2, max_concurrent=16))
     assert r0.interrupted == 0  # at eta=0 every update finds the server idle
+
+
+def test_without_interrupts_updates_wait_for_running_samples():
+    """rollout.interruptible=false (the paper's ablation): an update waits until the running
+    samples finish (new ones held back), so nothing is re-prefilled, the bound still holds,
+    and a long tail makes it slower than interrupting."""
+    p = longtail_profile()
+    s = dict(eta=4, batch_size=2, max_concurrent=16)
+    drain, interrupt = (simulate(p, setting(**s, interruptible=i)) for i in (False, True))
+    assert drain.interrupted == 0 and interrupt.interrupted > 0
+    assert drain.staleness_max <= 4
+    assert drain.throughput < interrupt.throughput
+
+
+def test_a_step_reads_the_engines_chunks_of_rows():
+    """The simulated server places rows as DecodeEngine._place does (kept rows stay, the
+    rows above the kept count fill the leavers' holes, new ones follow longest first) and
+    costs a step by the cells its attention chunks read (areal/rollout/chunks.py)."""
+    sim = Simulation(longtail_profile(), setting())
+    srv = sim.servers[0]
+    group = _Group(0, 0, 0)
+    lengths = [5, 400, 30, *[20] * 30, 300]
+    reqs = [_Req(prompt=10, target=500, group=group, g=g) for g in lengths]
+    srv.running = dict.fromkeys(reqs)
+    ctx = {r: r.prompt + r.g - 1 for r in reqs}
+    read = sim._cells_read(srv)
+    assert srv.rows == sorted(reqs, key=lambda r: -ctx[r])  # all new: longest first
+    assert read == cells_read(attention_chunks([ctx[r] for r in srv.rows]))
+    assert read < 34 * (410 + 1)  # chunks: the long rows sit together
+    # Two leave (rows 1 and 5); the top two rows move into their holes; one joins at the end.
+    gone = [srv.rows[1], srv.rows[5]]
+    top = srv.rows[-2:]
+    joined = _Req(prompt=10, target=500, group=group, g=100)
+    for r in gone:
+        del srv.running[r]
+    srv.running[joined] = None
+    sim._cells_read(srv)
+    assert srv.rows[1] is top[0] and srv.rows[5] is top[1] and srv.rows[-1] is joined
+    assert len(srv.rows) == 33 and not set(gone) & set(srv.rows)
 
 
 def test_effective_throughput_is_the_benchmarks_measure():
