@@ -5,10 +5,11 @@ staleness, its recommendation against a hand-measured grid, and the paper's 1.5B
         [--servers 1,2] [--steps tiny=200,tiny_longtail=40] [--fileroot DIR]
         [--model CONFIG=DIR ...] [--repeats 3] [--reuse] [--timeout-s 900] [--no-paper]
 
-Per config: ONE profiling run (the config as it is, `--steps` steps) is calibrated
-(areal/planner/calibrate.py); every grid point (servers x eta) is then `--repeats` runs of its
-own (taken round the grid; the median by throughput is compared), predicted from that
-profile alone, never from itself. Effective throughput is the paper's
+Per config: TWO profiling runs (the config as it is, and at max_staleness=0, `--steps` steps
+each) are calibrated (areal/planner/calibrate.py); every grid point (servers x eta) is then
+`--repeats` runs of its own (taken round the grid; the medians of throughput and of staleness
+are compared), predicted from that profile alone, never from themselves. Effective
+throughput is the paper's
 (benchmarks/tiny_run.effective_throughput: tokens trained per second, the first fifth of the
 steps left out); staleness is the mean over the same steps. Runs go one at a time. The
 "own lens" column predicts with the same costs on the answer lengths that run trained on:
@@ -80,10 +81,13 @@ def predict(profile, cfg, eta: int, servers: int, steps: int):
 
 def validate(args: argparse.Namespace, name: str) -> list[dict]:
     config = ROOT / f"configs/{name}.yaml"
+    # The config as it is, and at eta=0: there its roles take turns, each alone on both
+    # cores, which an eta=4 run seldom shows (the speed-up of a lent core).
     profile_dir = run(args, config, f"{name}-profile", [])
-    profile = calibrate(profile_dir)
+    sync_dir = run(args, config, f"{name}-profile-e0", ["max_staleness=0"])
+    profile = calibrate([profile_dir, sync_dir])
     profile.save(Path(args.fileroot) / f"{name}-profile.json")
-    print(f"\n{name}: profile from {profile_dir}")
+    print(f"\n{name}: profile from {profile_dir} and {sync_dir.name}")
     for note in profile.notes:
         print(f"  {note}")
     costs = {k: v for k, v in profile.to_dict().items() if k in ("decode", "train", "handoff")}
@@ -111,7 +115,8 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
     for servers, eta in grid:
         cfg = load_config(str(paths[servers, eta][0] / "config.yaml"))
         runs = sorted((*measured(p), p) for p in paths[servers, eta])
-        tput, stale, median = runs[len(runs) // 2]  # the median run by throughput
+        tput, _, median = runs[len(runs) // 2]  # the median run by throughput
+        stale = statistics.median(s for _, s, _ in runs)
         p_tput, p_stale, r = predict(profile, cfg, eta, servers, args.steps[name])
         # The same costs on the answer lengths that run trained on: what the policy made of
         # its eta (RL moves lengths, and tokens/s with them) is not the system's to predict.

@@ -3,10 +3,12 @@
     python -m areal.planner --config configs/tiny_longtail.yaml --profile RUN_DIR
     python -m areal.planner --config configs/math_1.5b.yaml --profile h200 --cluster 16x8
 
---profile: a run directory (calibrated now, costs fitted from its timeline), a profile JSON
-(--save-profile writes one), or h200 (the README's GPU figures). On CPUs the grid is the
-number of servers (--servers) sharing --cores; with --cluster NODESxGPUS it is
-launcher.inference_fraction (--fractions), split as areal/launcher/plan.py splits GPUs.
+--profile: run directories, comma-separated (calibrated now, costs fitted from their
+timelines: the config as it is, and best the same at max_staleness=0 too, for the speed-up of
+lent cores), a profile JSON (--save-profile writes one), or h200 (the README's GPU figures).
+On CPUs the grid is the number of servers (--servers) sharing --cores; with --cluster
+NODESxGPUS it is launcher.inference_fraction (--fractions), split as areal/launcher/plan.py
+splits GPUs.
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ class Point:
 
 
 def get_profile(spec: str, cores: int | None = None) -> Profile:
-    """A built-in name, a profile JSON, or a run directory to calibrate from."""
+    """A built-in name, a profile JSON, or run directories (comma-separated) to calibrate
+    from."""
     if spec in BUILTIN:
         return BUILTIN[spec]()
-    if Path(spec).is_dir():
-        return calibrate(spec, cores)
+    dirs = spec.split(",")
+    if all(Path(d).is_dir() for d in dirs):
+        return calibrate(dirs, cores)
     return load_profile(spec)
 
 

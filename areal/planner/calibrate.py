@@ -1,4 +1,5 @@
-"""Fit a CPU profile's cost models from one short profiling run's timeline.
+"""Fit a CPU profile's cost models from the timelines of short profiling runs (one, or several
+pooled: the config as it is, and the same at max_staleness=0 for the speed-up of lent cores).
 
     events/server*.jsonl   decode windows: seconds ~ steps, rows, cells read, prefill, prefill rows
                            (by threads); load spans -> load_s
@@ -9,8 +10,9 @@
     batches.jsonl          output lengths, by group (group_size consecutive samples)
 
 Least squares with coefficients kept >= 0 (a cost is never negative: a column whose
-coefficient would be is dropped and the rest refitted). The speed-up on n threads is the
-one-thread fit's prediction over the measured time, summed over the spans run on n threads.
+coefficient would be is dropped and the rest refitted). A server's speed-up on n threads is
+the one-thread fit's prediction over the measured time, summed over its windows on n threads;
+the trainer's, from the spans it ran partly on a lent core (_lent_speedup).
 Run it on a run of the configuration you plan (its lengths and batch shapes), with
 stats.events on (the default) and the embedded engine (SGLang records no decode windows).
 """
@@ -24,10 +26,12 @@ import numpy as np
 from areal.config import ConfigError
 from areal.cores import node_cores
 from areal.planner.costs import DecodeCost, Handoff, Lengths, Profile, TrainCost
-from areal.report.data import NotARunError, Run, load_run
+from areal.report.data import NotARunError, Run, cores_used, load_run
 
 MIN_SPANS = 8
 """Fewer spans than this of a kind fit nothing reliably: the run was too short."""
+MIN_LENT_S = 0.5
+"""Seconds of lent cores under a role's spans that a speed-up is fitted from, at least."""
 DEFAULT_GROUP_OVERHEAD_S = 0.004
 """Admission to server and last sample to buffer, when the run shows no idle server to
 measure it on (controller + rollout worker + grading of a tiny task: a few ms)."""
@@ -87,11 +91,15 @@ def _speedups(
     return out
 
 
-def fit_decode(run: Run, notes: list[str]) -> DecodeCost:
-    windows = _spans(run, "server", "decode")
+def _where(runs: list[Run]) -> str:
+    return " + ".join(str(run.path) for run in runs)
+
+
+def fit_decode(runs: list[Run], notes: list[str]) -> DecodeCost:
+    windows = [w for run in runs for w in _spans(run, "server", "decode")]
     if len(windows) < MIN_SPANS:
         raise ConfigError(
-            f"{run.path} has {len(windows)} decode windows (events/server*.jsonl, kind "
+            f"{_where(runs)} has {len(windows)} decode windows (events/server*.jsonl, kind "
             "'decode'); the fit needs at least "
             f"{MIN_SPANS}. Profile a run of the embedded engine (inference.backend=embedded) "
             "with stats.events=true and at least 20 steps, made by this version of areal"
@@ -112,16 +120,15 @@ def fit_decode(run: Run, notes: list[str]) -> DecodeCost:
     speedup = _speedups([(t, xx, yy) for t, xx, yy in rows], coef, notes, "decode")
     if base != 1:  # the fit is of `base` threads; express it against one
         notes.append(f"decode: no one-thread window; costs are of {base} threads")
-    return DecodeCost(*map(float, coef), speedup=speedup, group_s=_group_s(run, windows, notes))
+    return DecodeCost(*map(float, coef), speedup=speedup, group_s=_group_s(runs, windows, notes))
 
 
-def _group_s(run: Run, windows: list[dict], notes: list[str]) -> float:
+def _group_s(runs: list[Run], windows: list[dict], notes: list[str]) -> float:
     """Server time per group outside decode steps: the servers' generate spans (requests in
     flight) less their decode windows, over the groups generated."""
-    generating = sum(e["end"] - e["start"] for e in _spans(run, "server", "generate"))
+    generating = sum(e["end"] - e["start"] for r in runs for e in _spans(r, "server", "generate"))
     stepping = sum(w["end"] - w["start"] for w in windows)
-    group_size = int((run.config.get("rollout") or {}).get("group_size", 1)) or 1
-    groups = sum(len(b["output_len"]) for b in run.batches) / group_size
+    groups = sum(len(b["output_len"]) / _group_size(r) for r in runs for b in r.batches)
     if not generating or not groups:
         notes.append("decode: no generate spans; no server time outside decode steps assumed")
         return 0.0
@@ -133,25 +140,31 @@ def _group_s(run: Run, windows: list[dict], notes: list[str]) -> float:
     return value
 
 
-def fit_train(run: Run, notes: list[str]) -> TrainCost:
-    borrows = _spans(run, "trainer0", "borrow")
-    updates = [s for s in _spans(run, "trainer0", "update") if "tokens" in s]
+def fit_train(runs: list[Run], notes: list[str]) -> TrainCost:
+    def work(kind: str) -> list[tuple[dict, float]]:
+        """Rank 0's spans of `kind` that carry their work, with the cores lent under each."""
+        out = []
+        for run in runs:
+            borrows = _spans(run, "trainer0", "borrow")
+            spans = [s for s in _spans(run, "trainer0", kind) if "tokens" in s]
+            out += [(s, _borrowed(s, borrows)) for s in spans]
+        return out
+
+    updates = work("update")
     if len(updates) < MIN_SPANS:
         raise ConfigError(
-            f"{run.path} has {len(updates)} update spans with their work (tokens, seqs, mbs) "
+            f"{_where(runs)} has {len(updates)} update spans with their work (tokens, seqs, mbs) "
             f"in events/trainer0.jsonl; the fit needs at least {MIN_SPANS}: profile a run of "
             "at least 20 steps made by this version of areal, with stats.events=true"
         )
 
-    def fit(spans: list[dict], cols: tuple[str, ...], what: str):
+    def fit(spans: list[tuple[dict, float]], cols: tuple[str, ...], what: str):
         rows = []
-        for s in spans:
-            lent = _borrowed(s, borrows)
-            threads = 1 + round(lent) if lent > 0.8 or lent < 0.2 else 0  # 0: mixed, unused
+        for s, lent in spans:
             feats = np.array([s.get(c, 1) if c != "one" else 1 for c in cols], float)
-            rows.append((threads, feats, s["end"] - s["start"]))
-        x = np.array([f for t, f, _ in rows if t == 1])
-        y = np.array([d for t, _, d in rows if t == 1])
+            rows.append((lent, feats, s["end"] - s["start"]))
+        x = np.array([f for e, f, _ in rows if e < 0.2])  # (nearly) on its own share
+        y = np.array([d for e, _, d in rows if e < 0.2])
         if len(y) < MIN_SPANS:  # everything on lent cores: fit all, say so
             x = np.array([f for _, f, _ in rows])
             y = np.array([d for _, _, d in rows])
@@ -165,23 +178,23 @@ def fit_train(run: Run, notes: list[str]) -> TrainCost:
         dropped = [c for j, c in enumerate(cols) if j not in keep]
         if dropped:
             notes.append(f"{what}: {', '.join(dropped)} never varied; counted in the constant")
-        return coef, [r for r in rows if r[0] > 0]
+        return coef, [(x @ coef, t, e) for e, x, t in rows]
 
     # Micro-batches add a column only where their count varies (else it is the constant).
-    varies = len({s.get("mbs", 1) for s in updates}) > 1
+    varies = len({s.get("mbs", 1) for s, _ in updates}) > 1
     cols = ("tokens", "seqs", "mbs", "one") if varies else ("tokens", "seqs", "one")
-    coef, rows = fit(updates, cols, "update")
-    speedup = _speedups(rows, coef, notes, "trainer")
+    coef, lent = fit(updates, cols, "update")
     token_s, seq_s = coef[0], coef[1]
     mb_s = coef[2] if varies else 0.0
     minibatch_s = coef[-1]
-    prox = [s for s in _spans(run, "trainer0", "proximal") if "tokens" in s]
+    prox = work("proximal")
     if len(prox) >= MIN_SPANS:
-        pc, _ = fit(prox, ("tokens", "seqs", "one"), "proximal")
+        pc, prox_lent = fit(prox, ("tokens", "seqs", "one"), "proximal")
+        lent += prox_lent
     else:
         pc = np.array([token_s / 3, seq_s / 3, 0.0])
         notes.append("proximal: too few spans; a third of an update's costs assumed")
-    step_s, rpc_s = _trainer_gaps(run)
+    step_s, rpc_s = _trainer_gaps(runs)
     return TrainCost(
         token_s=float(token_s),
         seq_s=float(seq_s),
@@ -192,52 +205,77 @@ def fit_train(run: Run, notes: list[str]) -> TrainCost:
         prox_const_s=float(pc[2]),
         step_s=step_s,
         rpc_s=rpc_s,
-        speedup=speedup,
+        speedup=_lent_speedup(lent, notes),
     )
 
 
-def _trainer_gaps(run: Run) -> tuple[float, float]:
-    """(median seconds of a step outside its spans, the shortest get_batch)."""
-    spans = [e for e in run.events if e["role"] == "trainer0" and e["kind"] != "borrow"]
-    waits = [e for e in spans if e["kind"] == "wait_batch"]
-    gaps = []
-    for a, b in zip(waits, waits[1:], strict=False):
-        inside = sum(
-            e["end"] - e["start"]
-            for e in spans
-            if e["kind"] not in ("wait_batch",) and a["end"] <= e["start"] < b["start"]
+def _lent_speedup(spans: list[tuple[float, float, float]], notes: list[str]) -> dict[int, float]:
+    """The trainer on two threads (its core and a lent one) against one, from its spans
+    (one-thread prediction P, measured T, mean cores lent e) that ran partly on a lent core:
+    such a span did P = T (1 - e) + T e s, so s = 1 + sum(P - T) / sum(T e). A trainer lends
+    and borrows core by core within its spans, so whole spans on two threads are rare."""
+    lent = [(p, t, min(e, 1.0)) for p, t, e in spans if e > 0.05]
+    weight = sum(t * e for _, t, e in lent)
+    if weight < MIN_LENT_S:
+        notes.append(
+            f"trainer: {weight:.2f} s on lent cores (under {MIN_LENT_S} s); a second thread "
+            "assumed to add nothing"
         )
-        gaps.append(b["start"] - a["end"] - inside)
+        return {1: 1.0}
+    # Within what two threads can do: below half of one is noise or a machine busy elsewhere.
+    s = min(2.0, max(0.5, 1 + sum(p - t for p, t, _ in lent) / weight))
+    notes.append(
+        f"trainer on 2 threads: {s:.2f}x one thread ({weight:.2f} s lent, {len(lent)} spans)"
+    )
+    return {1: 1.0, 2: s}
+
+
+def _trainer_gaps(runs: list[Run]) -> tuple[float, float]:
+    """(median seconds of a step outside its spans, the shortest get_batch)."""
+    gaps, sure, later_waits = [], [], []
+    for run in runs:
+        spans = [e for e in run.events if e["role"] == "trainer0" and e["kind"] != "borrow"]
+        waits = [e for e in spans if e["kind"] == "wait_batch"]
+        for a, b in zip(waits, waits[1:], strict=False):
+            inside = sum(
+                e["end"] - e["start"]
+                for e in spans
+                if e["kind"] not in ("wait_batch",) and a["end"] <= e["start"] < b["start"]
+            )
+            gaps.append(b["start"] - a["end"] - inside)
+        # get_batch's own cost: the waits of the steps that found a batch ready (a whole
+        # batch more still ready after it: metrics' rollout/groups_ready).
+        batch = int((run.config.get("trainer") or {}).get("batch_size", 0)) or 1
+        ready = {m["step"] - 1 for m in run.metrics if m.get("rollout/groups_ready", 0) >= batch}
+        sure += [e["end"] - e["start"] for e in waits[1:] if e.get("version") in ready]
+        later_waits += [e["end"] - e["start"] for e in waits[1:]]
     step_s = float(np.median(gaps)) if gaps else 0.0
-    # get_batch's own cost: the waits of the steps that found a batch ready (a whole batch
-    # more still ready after it: metrics' rollout/groups_ready); else the shortest wait.
-    batch = int((run.config.get("trainer") or {}).get("batch_size", 0)) or 1
-    ready = {m["step"] - 1 for m in run.metrics if m.get("rollout/groups_ready", 0) >= batch}
-    sure = [e["end"] - e["start"] for e in waits[1:] if e.get("version") in ready]
     if len(sure) >= 3:
         rpc_s = float(np.median(sure))
-    else:
-        rpc_s = float(min(e["end"] - e["start"] for e in waits[1:])) if len(waits) > 1 else 0.0
+    else:  # no step found its batch ready: the shortest wait
+        rpc_s = min(later_waits, default=0.0)
     return max(0.0, step_s), max(0.0, rpc_s)
 
 
-def fit_handoff(run: Run) -> Handoff:
-    publish = [e["end"] - e["start"] for e in _spans(run, "trainer0", "publish")]
-    loads = _spans(run, "server", "load")
+def fit_handoff(runs: list[Run]) -> Handoff:
+    publish = [e["end"] - e["start"] for r in runs for e in _spans(r, "trainer0", "publish")]
+    loads = [e for r in runs for e in _spans(r, "server", "load")]
     if not publish or not loads:
         raise ConfigError(
-            f"{run.path} has no publish or load spans: the run trained no step that a server "
-            "loaded; profile a run of at least 20 steps"
+            f"{_where(runs)} has no publish or load spans: the run trained no step that a "
+            "server loaded; profile a run of at least 20 steps"
         )
-    by_version: dict[int, float] = {}
-    for e in loads:
-        v = e.get("version")
-        by_version[v] = max(by_version.get(v, 0.0), e["end"] - e["start"])
-    fanout = [
-        e["end"] - e["start"] - by_version[e["version"]]
-        for e in _spans(run, "controller", "update_weights")
-        if e.get("version") in by_version
-    ]
+    fanout = []
+    for run in runs:  # beyond the slowest server's load of the same version
+        slowest: dict[int, float] = {}
+        for e in _spans(run, "server", "load"):
+            v = e.get("version")
+            slowest[v] = max(slowest.get(v, 0.0), e["end"] - e["start"])
+        fanout += [
+            e["end"] - e["start"] - slowest[e["version"]]
+            for e in _spans(run, "controller", "update_weights")
+            if e.get("version") in slowest
+        ]
     return Handoff(
         publish_s=float(np.median(publish)),
         load_s=float(np.median([e["end"] - e["start"] for e in loads])),
@@ -264,18 +302,19 @@ def fit_lengths(run: Run, group_size: int) -> Lengths:
     return Lengths(prompt_len=max(1.0, prompt_len), groups=groups)
 
 
-def group_overhead(run: Run, notes: list[str]) -> float:
+def group_overhead(runs: list[Run], notes: list[str]) -> float:
     """Twice the time from a version's fan-out end (the gate opens) to an idle server's next
     generate span: admission to server, one way."""
-    gens = _spans(run, "server", "generate")
     delays = []
-    for u in _spans(run, "controller", "update_weights"):
-        t = u["end"]
-        if any(g["start"] <= t < g["end"] for g in gens):
-            continue  # a server generating: nothing to measure
-        later = [g["start"] - t for g in gens if 0 <= g["start"] - t < 0.5]
-        if later:
-            delays.append(min(later))
+    for run in runs:
+        gens = _spans(run, "server", "generate")
+        for u in _spans(run, "controller", "update_weights"):
+            t = u["end"]
+            if any(g["start"] <= t < g["end"] for g in gens):
+                continue  # a server generating: nothing to measure
+            later = [g["start"] - t for g in gens if 0 <= g["start"] - t < 0.5]
+            if later:
+                delays.append(min(later))
     if len(delays) < 3:
         notes.append(
             f"group overhead: no idle server to measure; {DEFAULT_GROUP_OVERHEAD_S} s assumed"
@@ -288,8 +327,14 @@ def group_overhead(run: Run, notes: list[str]) -> float:
     return value
 
 
-def calibrate(run_dir: str | Path, cores: int | None = None) -> Profile:
-    """The CPU profile of the run at run_dir (`cores`: the node's, by default this machine's)."""
+def _group_size(run: Run) -> int:
+    group_size = int((run.config.get("rollout") or {}).get("group_size", 0))
+    if group_size < 1:
+        raise ConfigError(f"{run.path}/config.yaml gives no rollout.group_size")
+    return group_size
+
+
+def _load(run_dir: str | Path) -> Run:
     try:
         run = load_run(run_dir)
     except NotARunError as e:
@@ -299,20 +344,36 @@ def calibrate(run_dir: str | Path, cores: int | None = None) -> Profile:
             f"{run_dir} recorded no events (stats.events=false?): the planner's costs come from "
             "the timeline; profile a run with stats.events=true"
         )
-    group_size = int((run.config.get("rollout") or {}).get("group_size", 0))
-    if group_size < 1:
-        raise ConfigError(f"{run_dir}/config.yaml gives no rollout.group_size")
-    notes: list[str] = []
+    _group_size(run)
+    return run
+
+
+def calibrate(run_dirs: str | Path | list, cores: int | None = None) -> Profile:
+    """The CPU profile of the run(s) at run_dirs (`cores`: the node's, by default this
+    machine's). Several runs pool their spans into one fit; the output lengths are the first
+    run's (the config as planned): profile the config as it is, and the same at
+    max_staleness=0, whose roles take turns on lent cores (the speed-up of a lent core)."""
+    dirs = list(run_dirs) if isinstance(run_dirs, list | tuple) else [run_dirs]
+    runs = [_load(d) for d in dirs]
+    notes: list[str] = [f"pooled from {len(runs)} runs"] if len(runs) > 1 else []
     cores = cores or node_cores()
     profile = Profile(
         device="cpu",
         cores=cores,
-        decode=fit_decode(run, notes),
-        train=fit_train(run, notes),
-        handoff=fit_handoff(run),
-        lengths=fit_lengths(run, group_size),
-        group_overhead_s=group_overhead(run, notes),
-        source=str(Path(run_dir).resolve()),
+        decode=fit_decode(runs, notes),
+        train=fit_train(runs, notes),
+        handoff=fit_handoff(runs),
+        lengths=fit_lengths(runs[0], _group_size(runs[0])),
+        group_overhead_s=group_overhead(runs, notes),
+        source=" + ".join(str(Path(d).resolve()) for d in dirs),
         notes=notes + [f"cores: {cores} (the machine the profile was made on, unless given)"],
     )
+    used = cores_used(runs[0])
+    others = {r: c for r, c in used.items() if not r.startswith(("server", "trainer"))}
+    if others:  # not simulated as roles: their share of the cores is in the fitted costs
+        profile.notes.append(
+            f"the other processes used {sum(others.values()):.2f} cores ("
+            + ", ".join(f"{r} {c:.2f}" for r, c in others.items())
+            + "), inside the fitted costs at this run's pace"
+        )
     return profile

@@ -262,6 +262,21 @@ def idle_while_busy_share(lanes_: dict[str, list[Span]]) -> float:
 # ---- the summary --------------------------------------------------------------------------
 
 
+def cores_used(run: Run) -> dict[str, float]:
+    """Each role process's mean cores (CPU seconds a second, all its threads) from its first
+    published version on, start-up left out; {} where the run sampled no CPU."""
+    published = [e["end"] for e in run.events if e["kind"] == "publish"]
+    since = min(published, default=-math.inf)
+    used: dict[str, list[float]] = {}
+    for e in run.cpu:
+        if e["start"] >= since and e["end"] > e["start"]:
+            cpu, wall = used.setdefault(e["role"], [0.0, 0.0])
+            used[e["role"]] = [cpu + e["cpu_s"], wall + e["end"] - e["start"]]
+    return {
+        r: cpu / wall for r, (cpu, wall) in sorted(used.items(), key=lambda x: lane_order(x[0]))
+    }
+
+
 def summary(run: Run) -> dict:
     """The figures `python -m areal.report` prints for a run."""
     _, _, reward = series(run, "reward/mean")
@@ -277,6 +292,7 @@ def summary(run: Run) -> dict:
         "median_train_tokens_per_s": float(np.median(tput)) if len(tput) else float("nan"),
         "waiting": {name: waiting_share(name, s) for name, s in lanes(run).items()},
         "idle_while_busy": idle_while_busy_share(lanes(run)),
+        "cores": cores_used(run),
     }
 
 
@@ -302,5 +318,10 @@ def format_summary(s: dict) -> str:
         lines.append(
             "  a lane idle, its core not lent, while another computes: "
             f"{100 * s['idle_while_busy']:.0f}% of the run"
+        )
+    if s.get("cores"):
+        lines.append(
+            "  cores used (CPU-s a second, after start-up): "
+            + ", ".join(f"{n} {c:.2f}" for n, c in s["cores"].items())
         )
     return "\n".join(lines)

@@ -221,9 +221,11 @@ DECODE = dict(step_s=2e-3, row_s=3e-5, cell_s=4e-8, prefill_token_s=5e-6, prefil
 TRAIN = dict(token_s=4e-5, seq_s=2e-4, minibatch_s=6e-3)
 
 
-def synthetic_run(path: Path, steps: int = 30, events: bool = True) -> Path:
-    """A run directory whose spans follow known costs (+-2% noise): what calibrate reads."""
-    rng = random.Random(1)
+def synthetic_run(path: Path, steps: int = 30, events: bool = True, seed: int = 1) -> Path:
+    """A run directory whose spans follow known costs (+-2% noise): what calibrate reads.
+    A decode step costs the cells its attention read (more than its rows' contexts); every
+    other step's updates run on a lent core, 1.5x faster."""
+    rng = random.Random(seed)
     path.mkdir(parents=True)
     cfg = {"experiment_name": "synthetic", "trial_name": "run0", "max_staleness": 2,
            "rollout": {"group_size": 4, "n_servers": 1}}  # fmt: skip
@@ -234,16 +236,17 @@ def synthetic_run(path: Path, steps: int = 30, events: bool = True) -> Path:
     for step in range(steps):
         wait_start = t  # the trainer waits while the server decodes
         for _ in range(6):  # decode windows, some on two threads (1.6x faster)
-            f = dict(steps=rng.randint(5, 60), rows=0, cells=0, prefill=0, prefill_rows=0)
+            f = dict(steps=rng.randint(5, 60), rows=0, read=0, prefill=0, prefill_rows=0)
             f["rows"] = f["steps"] * rng.randint(1, 32)
-            f["cells"] = f["rows"] * rng.randint(20, 400)
+            f["read"] = f["rows"] * rng.randint(20, 400)
             f["prefill_rows"] = rng.randint(0, 8)
             f["prefill"] = f["prefill_rows"] * rng.randint(10, 300)
             threads = 2 if rng.random() < 0.3 else 1
             dur = sum(DECODE[k] * f[c] for k, c in zip(DECODE, f, strict=True))
             dur *= rng.uniform(0.98, 1.02) / (1.6 if threads == 2 else 1)
+            cells = int(f["read"] / rng.uniform(1, 3))  # chunks read past short rows
             lines["server0"].append({"kind": "decode", "start": t, "end": t + dur,
-                                     "threads": threads, **f})  # fmt: skip
+                                     "threads": threads, "cells": cells, **f})  # fmt: skip
             t += dur + 0.001
         # The server generated the step's 2 groups from wait_start to 4 ms after its last
         # window: with the 1 ms gaps, 10 ms outside decode steps, 5 ms a group.
@@ -253,13 +256,17 @@ def synthetic_run(path: Path, steps: int = 30, events: bool = True) -> Path:
         wait = {"kind": "wait_batch", "start": wait_start, "end": t + 0.05, "version": step}
         lines["trainer0"].append(wait)
         t += 0.05 + 0.01  # 10 ms outside the spans
+        lent = step % 2 == 1
+        t_lent = t
         for mb in (outs[0::2], outs[1::2]):
             tokens, seqs = sum(mb) + 12 * len(mb), len(mb)
             dur = TRAIN["token_s"] * tokens + TRAIN["seq_s"] * seqs + TRAIN["minibatch_s"]
-            dur *= rng.uniform(0.98, 1.02)
+            dur *= rng.uniform(0.98, 1.02) / (1.5 if lent else 1)
             update = {"kind": "update", "start": t, "end": t + dur, "version": step}
             lines["trainer0"].append({**update, "tokens": tokens, "seqs": seqs, "mbs": 1})
             t += dur
+        if lent:
+            lines["trainer0"].append({"kind": "borrow", "start": t_lent, "end": t, "lent": 1})
         lines["trainer0"].append({"kind": "publish", "start": t, "end": t + 0.02,
                                   "version": step + 1})  # fmt: skip
         t += 0.02
@@ -297,6 +304,19 @@ def test_calibration_recovers_known_constants(tmp_path):
     assert p.handoff.publish_s == pytest.approx(0.02) and p.handoff.load_s == pytest.approx(0.01)
     assert p.handoff.fanout_s == pytest.approx(0.005)
     assert p.lengths.prompt_len == pytest.approx(12)
+    assert p.train.speedup[2] == pytest.approx(1.5, rel=0.05)
+
+
+def test_calibration_pools_runs_and_takes_the_first_runs_lengths(tmp_path):
+    a = synthetic_run(tmp_path / "a")
+    b = synthetic_run(tmp_path / "b", steps=20, seed=2)
+    p = calibrate([a, b], cores=2)
+    assert p.notes[0] == "pooled from 2 runs" and str(b) in p.source
+    assert p.decode.step_s == pytest.approx(DECODE["step_s"], rel=0.1)
+    assert p.train.token_s == pytest.approx(TRAIN["token_s"], rel=0.1)
+    assert p.handoff.fanout_s == pytest.approx(0.005)
+    assert p.lengths.groups == calibrate(a, cores=2).lengths.groups  # the planned config's
+    assert len(p.lengths.groups) == 30 * 2
     assert len(p.lengths.groups) == 60 and all(len(set(g)) == 1 for g in p.lengths.groups)
 
 
@@ -381,6 +401,10 @@ def test_cli_on_a_synthetic_run(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["eta"] for r in rows] == [0, 2, 0, 2]
     assert all(r["staleness_max"] <= r["eta"] for r in rows)
+    # Two profiling runs, comma-separated, pool into one fit.
+    pooled = [*args[:3], f"{run},{synthetic_run(tmp_path / 'sync', seed=3)}", *args[4:]]
+    assert cli.main(pooled) == 0
+    assert "pooled from 2 runs" in load_profile(saved).notes
 
 
 @pytest.mark.parametrize(

@@ -45,9 +45,18 @@ def write_run(root, n_steps=10, with_events=True):
         ]
     (root / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (root / "batches.jsonl").write_text("".join(json.dumps(b) + "\n" for b in batches))
+    # CPU samples every 2 s: start-up (before the first publish) burns 2 cores; then the
+    # trainer uses 0.5 and a rollout worker (no spans of work) 0.1.
+    cpu = [
+        {"role": role, "kind": "cpu", "start": t, "end": t + 2.0, "cpu_s": 4.0 if t < T0 else c}
+        for t in np.arange(T0 - 2.0, T0 + 2.0 * n_steps, 2.0)
+        for role, c in (("trainer0", 1.0), ("rollout0", 0.2))
+    ]
+    trainer += [e for e in cpu if e["role"] == "trainer0"]
     if with_events:
         (root / "events").mkdir()
-        for name, spans in (("trainer0", trainer), ("server0", server)):
+        rollout = [e for e in cpu if e["role"] == "rollout0"]
+        for name, spans in (("trainer0", trainer), ("server0", server), ("rollout0", rollout)):
             text = "".join(json.dumps(s) + "\n" for s in spans)
             (root / "events" / f"{name}.jsonl").write_text(text)
     return metrics, batches
@@ -109,6 +118,8 @@ def test_summary_and_its_text(tmp_path):
     assert "final +5.00, best +5.00 (step 10)" in text
     assert "server0 25% (not generating), trainer0 25%" in text
     assert "a lane idle, its core not lent, while another computes: 50% of the run" in text
+    assert s["cores"] == pytest.approx({"trainer0": 0.5, "rollout0": 0.1})
+    assert "cores used (CPU-s a second, after start-up): trainer0 0.50, rollout0 0.10" in text
 
 
 def span(kind, start, end):
