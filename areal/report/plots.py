@@ -39,7 +39,7 @@ COLORS = {
 }
 NOT_DRAWN = {"decode", "cpu"}
 """Kinds the timeline leaves out: decode windows lie inside the generate spans they measure
-(the planner's calibration reads them)."""
+(the planner's calibration reads them); cpu samples are no work (the summary's cores)."""
 assert set(COLORS) | NOT_DRAWN == set(KINDS)
 ZOOM_VERSIONS = 6
 """Versions shown in the timeline's close-up (the whole run is often too dense to read)."""
