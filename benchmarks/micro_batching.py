@@ -34,7 +34,7 @@ import torch
 
 from areal.models.tiny import make_tiny_model
 from areal.tasks import longtail
-from areal.trainer.batching import allocate_micro_batches
+from areal.trainer.micro_batches import allocate_micro_batches
 from areal.trainer.ppo import decoupled_ppo_loss
 from areal.trainer.step import proximal_logprobs
 from areal.trainer.torch_backend import TorchBackend

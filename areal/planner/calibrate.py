@@ -128,7 +128,7 @@ def _group_s(runs: list[Run], windows: list[dict], notes: list[str]) -> float:
     flight) less their decode windows, over the groups generated."""
     generating = sum(e["end"] - e["start"] for r in runs for e in _spans(r, "server", "generate"))
     stepping = sum(w["end"] - w["start"] for w in windows)
-    groups = sum(len(b["output_len"]) / _group_size(r) for r in runs for b in r.batches)
+    groups = sum(sum(len(b["output_len"]) for b in r.batches) / _group_size(r) for r in runs)
     if not generating or not groups:
         notes.append("decode: no generate spans; no server time outside decode steps assumed")
         return 0.0

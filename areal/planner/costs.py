@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from areal.config import ConfigError
+from areal.trainer.micro_batches import allocate_micro_batches
 
 PROFILE_VERSION = 1
 
@@ -335,14 +336,9 @@ BUILTIN = {"h200": gpu_h200}
 
 
 def micro_batch_count(seqlens: list[int], max_tokens: int) -> int:
-    """How many micro-batches the trainer packs these sequences into: Algorithm 1's
-    first-fit decreasing (areal/trainer/batching.py, which imports torch; this is its count)."""
-    loads: list[int] = []
-    for n in sorted(seqlens, reverse=True):
-        for j, load in enumerate(loads):
-            if load + n <= max_tokens:
-                loads[j] += n
-                break
-        else:
-            loads.append(n)
-    return len(loads)
+    """How many micro-batches the trainer packs these sequences into (Algorithm 1, the
+    trainer's own allocation); a sequence over the budget is the run's error, said here."""
+    try:
+        return len(allocate_micro_batches(seqlens, max_tokens))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -468,7 +468,7 @@ class Simulation:
         srv.seg = _Segment(
             t0=self.now,
             rows=rows,
-            cells=self._cells_read(srv),
+            cells=self._place(srv),
             prefill_s=(d.prefill_token_s * pf_tokens + d.prefill_row_s * len(srv.prefill)) / rate,
             per_step_s=(d.step_s + d.row_s * rows) / rate,
             cell_s=d.cell_s / rate,
@@ -478,10 +478,11 @@ class Simulation:
         )
         self._schedule(srv)
 
-    def _cells_read(self, srv: _Server) -> int:
-        """Cells the next step reads. The engine's rows (DecodeEngine._place): a request keeps
+    def _place(self, srv: _Server) -> int:
+        """Give the running requests their rows as DecodeEngine._place does (a request keeps
         its row, those above the kept count fill the leavers' holes, new ones follow longest
-        first; on a CPU attention reads each chunk of rows up to its longest row."""
+        first); returns the cells the next step reads (on a CPU, each chunk of rows up to its
+        longest row)."""
         row = {r: i for i, r in enumerate(srv.rows) if r in srv.running}
         holes = iter(sorted(set(range(len(row))) - set(row.values())))
         order = [None] * len(row)

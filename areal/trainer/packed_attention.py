@@ -19,7 +19,7 @@ Sequences run in groups of consecutive ones, each group one SDPA call on [n, H, 
 `plan_groups` cuts the stream by dynamic programming over its runs with `AttentionCost`:
 a call's fixed cost against what a bucket adds (the gathers, and L_max^2 for every member
 instead of L_i^2). The micro-batches of the trainer come longest first
-(batching.allocate_micro_batches), so neighbours are near-equal and a sorted stream has
+(micro_batches.allocate_micro_batches), so neighbours are near-equal and a sorted stream has
 one run per distinct length.
 
 Measured on the 2-core CPU (8 heads / 4 KV heads of 32 dims, forward + backward of

@@ -30,7 +30,7 @@ from areal import events
 from areal.config import PPOConfig
 from areal.trainer import ppo as objective
 from areal.trainer.backend import TrainerBackend
-from areal.trainer.batching import allocate_micro_batches
+from areal.trainer.micro_batches import allocate_micro_batches
 from areal.trainer.parallel import DataParallel
 from areal.trajectory import Trajectory
 

@@ -7,7 +7,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from areal.trainer.batching import allocate_micro_batches, pack_sequences
+from areal.trainer.batching import pack_sequences
+from areal.trainer.micro_batches import allocate_micro_batches
 
 
 def as_sets(mbs: list[list[int]]) -> set[frozenset[int]]:

@@ -166,7 +166,7 @@ def test_a_step_reads_the_engines_chunks_of_rows():
     reqs = [_Req(prompt=10, target=500, group=group, g=g) for g in lengths]
     srv.running = dict.fromkeys(reqs)
     ctx = {r: r.prompt + r.g - 1 for r in reqs}
-    read = sim._cells_read(srv)
+    read = sim._place(srv)
     assert srv.rows == sorted(reqs, key=lambda r: -ctx[r])  # all new: longest first
     assert read == cells_read(attention_chunks([ctx[r] for r in srv.rows]))
     assert read < 34 * (410 + 1)  # chunks: the long rows sit together
@@ -177,7 +177,7 @@ def test_a_step_reads_the_engines_chunks_of_rows():
     for r in gone:
         del srv.running[r]
     srv.running[joined] = None
-    sim._cells_read(srv)
+    sim._place(srv)
     assert srv.rows[1] is top[0] and srv.rows[5] is top[1] and srv.rows[-1] is joined
     assert len(srv.rows) == 33 and not set(gone) & set(srv.rows)
 

@@ -13,7 +13,7 @@ import torch
 import areal.trainer.step as step_mod
 from areal.config import PPOConfig
 from areal.models.tiny import make_tiny_model
-from areal.trainer.batching import allocate_micro_batches
+from areal.trainer.micro_batches import allocate_micro_batches
 from areal.trainer.ppo import compute_advantages
 from areal.trainer.step import proximal_logprobs, train_step
 from areal.trainer.torch_backend import TorchBackend
