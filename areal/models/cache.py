@@ -9,8 +9,10 @@ CACHE is $AREAL_CACHE_DIR/models, else $XDG_CACHE_HOME/areal/models, else
 ~/.cache/areal/models: one per machine, not per fileroot, so every run of a config after the
 first starts at once. The key hashes the model's parameters (task, sizes, warm-up steps, the
 task's options, seed), the source of the files that make it (RECIPE_FILES, the task's own
-module and the modules beside it) and the versions of torch, transformers and tokenizers: a
-changed warm-up makes a new model, never reuses a stale one. The directory appears by
+module and the modules beside it), the versions of torch, transformers and tokenizers, and
+the processor's floating-point path (cpu_numerics): a changed warm-up makes a new model,
+never reuses a stale one, and a cache shared by machines of other processors holds one model
+each (their kernels round differently, and 500 warm-up steps carry that into other weights). The directory appears by
 rename, whole or not at all, and is made under a lock (NAME.lock): a second run that wants
 the same model meanwhile waits for the first instead of making it again beside it.
 
@@ -28,6 +30,7 @@ import hashlib
 import inspect
 import json
 import os
+import platform
 import re
 import shutil
 import sys
@@ -61,9 +64,39 @@ def cache_dir() -> Path:
     return Path(xdg) / "areal" / "models"
 
 
+def cpu_numerics() -> str:
+    """What decides how this machine's float32 kernels round, e.g. "x86_64/AuthenticAMD/AVX2".
+
+    torch's ATen kernels take the widest vector ISA the processor has (AVX512 or AVX2, or
+    ATEN_CPU_CAPABILITY's), and MKL's matrix products a path per vendor and ISA: sums then
+    run in another order. A model warmed up on an AVX-512 Xeon and one warmed up on an AVX2
+    EPYC differ from the first step's last bits on; the number of threads does not change
+    them (the same weights on 1 and 2 cores). Read from /proc/cpuinfo: no torch import."""
+    flags: set[str] = set()
+    vendor = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                vendor = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        isa = "AVX512"
+    elif "avx2" in flags:
+        isa = "AVX2"
+    else:
+        isa = "DEFAULT"
+    isa = os.environ.get("ATEN_CPU_CAPABILITY", isa).upper()
+    return f"{platform.machine()}/{vendor}/{isa}"
+
+
 def model_key(params: dict, task_file: str | None) -> str:
-    """sha256 of the parameters, the recipe's source and the libraries' versions."""
+    """sha256 of the parameters, the recipe's source, the libraries' versions and the
+    processor's floating-point path."""
     h = hashlib.sha256(json.dumps(params, sort_keys=True).encode())
+    h.update(f"cpu={cpu_numerics()}".encode())
     for rel in sorted(RECIPE_FILES):
         h.update(rel.encode() + b"\0" + (_ROOT / rel).read_bytes())
     if task_file:  # its module and the modules beside it (the warm-up data it imports)

@@ -53,6 +53,17 @@ def test_the_key_covers_parameters_and_the_recipe(monkeypatch, tmp_path):
     assert model_key(PARAMS, None) != key
 
 
+def test_the_key_names_the_processors_float_path(monkeypatch):
+    """Kernels of another ISA or vendor round otherwise, and the warm-up carries that into
+    every weight (issue 60): such a machine's model is another model, under another key."""
+    assert cache.cpu_numerics().count("/") == 2  # machine/vendor/ISA
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    assert cache.cpu_numerics().endswith("/AVX512")
+    wide = model_key(PARAMS, None)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert model_key(PARAMS, None) != wide
+
+
 def test_a_model_is_made_once_with_progress_then_taken_from_the_cache(
     monkeypatch, tmp_path, capsys
 ):
