@@ -12,9 +12,10 @@ task's options, seed), the source of the files that make it (RECIPE_FILES, the t
 module and the modules beside it), the versions of torch, transformers and tokenizers, and
 the processor's floating-point path (cpu_numerics): a changed warm-up makes a new model,
 never reuses a stale one, and a cache shared by machines of other processors holds one model
-each (their kernels round differently, and 500 warm-up steps carry that into other weights). The directory appears by
-rename, whole or not at all, and is made under a lock (NAME.lock): a second run that wants
-the same model meanwhile waits for the first instead of making it again beside it.
+each (their kernels round differently, and 500 warm-up steps carry that into other weights).
+The directory appears by rename, whole or not at all, and is made under a lock (NAME.lock):
+a second run that wants the same model meanwhile waits for the first instead of making it
+again beside it.
 
 | waits for                      | unblocked by                                         |
 |--------------------------------|------------------------------------------------------|
