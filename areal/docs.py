@@ -155,9 +155,9 @@ def command_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def command_help(parser: argparse.ArgumentParser) -> str:
-    """`--help` as a terminal of 100 columns prints it."""
+    """`--help` as a terminal of 80 columns prints it (the width of the page's code blocks)."""
     saved = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "100"
+    os.environ["COLUMNS"] = "80"
     try:
         return parser.format_help()
     finally:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -133,9 +134,66 @@ def _chromium() -> str | None:
     return None
 
 
+# Search runs in Material's web worker after the page has loaded, so a DOM dump at load would
+# miss it: this page opens the home page in a frame, types a query, and reports the results to
+# the server (/__result), while an image the server holds until then (/__hold) keeps the
+# page's load event, and so Chromium's screenshot, waiting for them.
+SEARCH_HARNESS = """<!doctype html><html><body style="margin:0">
+<iframe id="f" src="/" style="width:1280px;height:900px;border:0"></iframe>
+<script>
+const f = document.getElementById("f"), errors = [];
+const report = (items, meta) => fetch("/__result?items=" + items + "&meta=" +
+  encodeURIComponent(meta) + "&errors=" + encodeURIComponent(errors.join(" | ")));
+f.addEventListener("load", () => {
+  const w = f.contentWindow;
+  w.addEventListener("error", e => errors.push(String(e.message)));
+  const input = w.document.querySelector("[data-md-component=search-query]");
+  const t0 = Date.now();
+  const step = () => {
+    input.focus(); input.value = "staleness";
+    input.dispatchEvent(new w.Event("input", {bubbles: true}));
+    input.dispatchEvent(new w.KeyboardEvent("keyup", {bubbles: true, key: "s"}));
+    const items = w.document.querySelectorAll(".md-search-result__item").length;
+    const meta = w.document.querySelector(".md-search-result__meta").textContent;
+    if (items > 0 || Date.now() - t0 > 30000) report(items, meta); else setTimeout(step, 250);
+  };
+  step();
+});
+</script><img src="/__hold" width="1" height="1"></body></html>"""
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    result: dict = {}
+    reported = threading.Event()
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlparse(self.path)
+        if url.path == "/__search.html":
+            body = SEARCH_HARNESS.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        elif url.path == "/__result":
+            _Handler.result = urllib.parse.parse_qs(url.query)
+            _Handler.reported.set()
+            self.send_response(204)
+            self.end_headers()
+        elif url.path == "/__hold":
+            _Handler.reported.wait(60)
+            self.send_response(204)
+            self.end_headers()
+        else:
+            super().do_GET()
+
+
 @pytest.fixture(scope="module")
 def served(site):
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler = functools.partial(_Handler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -144,28 +202,42 @@ def served(site):
     server.server_close()
 
 
+def _chromium_args(tmp_path: Path) -> list[str]:
+    return [
+        _chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--no-first-run", "--disable-extensions", f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr", "--v=0", "--window-size=1280,900", "--hide-scrollbars",
+    ]  # fmt: skip
+
+
+def _console_errors(stderr: str) -> list[str]:
+    """Chromium's console lines (--enable-logging) that report an error."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if "CONSOLE" in line and re.search(r"error|uncaught|failed|refused", line, re.I)
+    ]
+
+
+def _shots(tmp_path: Path) -> Path:
+    shots = Path(os.environ.get("AREAL_DOCS_SCREENSHOTS") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    return shots
+
+
 def _browse(url: str, tmp_path: Path, name: str) -> str:
     """The DOM of `url` after its scripts ran, in headless Chromium; fails on console errors.
     Takes a screenshot too (into $AREAL_DOCS_SCREENSHOTS when set)."""
-    chromium = _chromium()
-    shots = Path(os.environ.get("AREAL_DOCS_SCREENSHOTS") or tmp_path)
-    shots.mkdir(parents=True, exist_ok=True)
-    common = [
-        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-        "--no-first-run", "--disable-extensions", f"--user-data-dir={tmp_path / 'profile'}",
-        "--enable-logging=stderr", "--v=0", "--virtual-time-budget=8000",
-        "--window-size=1280,900",
-    ]  # fmt: skip
-    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    args = [*_chromium_args(tmp_path), "--virtual-time-budget=5000"]
+    dom = subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-3000:]
-    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line]
-    errors = [line for line in console if re.search(r"error|uncaught|failed|refused", line, re.I)]
+    errors = _console_errors(dom.stderr)
     assert not errors, f"{url}: console errors:\n" + "\n".join(errors)
-    shot = subprocess.run(
-        [*common, f"--screenshot={shots / (name + '.png')}", url],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert shot.returncode == 0 and (shots / (name + ".png")).stat().st_size > 10_000
+    shot = _shots(tmp_path) / f"{name}.png"
+    run = subprocess.run(
+        [*args, f"--screenshot={shot}", url], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0 and shot.stat().st_size > 10_000, run.stderr[-3000:]
     return dom.stdout
 
 
@@ -174,15 +246,29 @@ def _browse(url: str, tmp_path: Path, name: str) -> str:
 def test_the_site_renders_in_a_headless_browser(served, tmp_path):
     home = _browse(served + "/", tmp_path, "home")
     assert "md-header" in home and "The CPU default in 2 minutes" in home
-    assert 'data-md-component="palette"' in home or "data-md-color-scheme" in home
+    assert "data-md-color-scheme" in home  # the light/dark toggle
+    assert 'data-md-component="search-query"' in home
 
     guide = _browse(served + "/guides/objectives/", tmp_path, "guide")
-    assert "Objectives: recipes and knobs" in guide and "md-clipboard" in guide
+    assert "Objectives: recipes and knobs" in guide
+    assert 'data-md-type="copy"' in guide  # code blocks carry a copy button
 
     ref = _browse(served + "/reference/configuration/", tmp_path, "reference")
-    assert 'id="trainer.lr"' in ref
+    assert 'id="trainer.lr"' in ref and "Adam learning rate" in ref
 
-    # Search: Material opens the search with ?q= and its worker fills in the results.
-    found = _browse(served + "/?q=staleness", tmp_path, "search")
-    results = re.findall(r'class="md-search-result__item', found)
-    assert results, "the search found nothing for 'staleness'"
+    api = _browse(served + "/reference/api/", tmp_path, "api")
+    assert "policy_loss" in api
+
+    # Search: type a query into the home page's search box and read the results.
+    shot = _shots(tmp_path) / "search.png"
+    run = subprocess.run(
+        [*_chromium_args(tmp_path), f"--screenshot={shot}", served + "/__search.html"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _Handler.reported.is_set(), "the search page never reported"
+    result = _Handler.result
+    assert int(result["items"][0]) > 0, f"the search found nothing for 'staleness': {result}"
+    assert "matching" in result["meta"][0]
+    assert not result.get("errors"), result["errors"]
+    assert not _console_errors(run.stderr)
