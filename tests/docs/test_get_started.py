@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -54,11 +55,13 @@ python() {{
         if skipped:
             continue
         script = prelude + commands.replace("/tmp/areal", str(root))
+        start = time.monotonic()
         proc = subprocess.run(
             ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
             timeout=300,
         )  # fmt: skip
         assert proc.returncode == 0, f"{commands}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        print(f"{time.monotonic() - start:6.1f}s  {commands.strip().splitlines()[0]}")
         ran += 1
     assert ran >= 3
     # What the page says the run leaves behind.
