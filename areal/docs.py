@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--addr", default="127.0.0.1:8000", help="where serve listens")
     parser.add_argument("--site-dir", default="site", help="where build writes the site")
     args = parser.parse_args(argv)
+    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # Material's banner about MkDocs 2
     try:
         from mkdocs.commands import build, serve
         from mkdocs.config import load_config

@@ -193,6 +193,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def served(site):
+    _Handler.reported.clear()
     handler = functools.partial(_Handler, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
