@@ -1,1 +1,1 @@
-"""Agent workflows to train with `rollout.workflow=examples.<module>:run` (see README)."""
+"""Agent workflows: `rollout.workflow=examples.<module>:run` (docs/guides/agents.md)."""

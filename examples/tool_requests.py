@@ -17,7 +17,7 @@ requests) it mostly writes as a and b.
 
 Held out, never drawn (tests/unit/test_add_tool.py checks it): every string of the agents
 in tests/documented_agents/, whose instructions and docstrings measure what the model
-generalises to (README).
+generalises to (docs/guides/agents.md).
 """
 
 from __future__ import annotations

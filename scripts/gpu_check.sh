@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks in one bounded go, for a machine with one NVIDIA GPU (README: "Measured on
-# GPU"): the gpu-marked tests, trainer MFU, the engine's decoding, the weight hand-off and
-# interruptible generation on DeepSeek-R1-Distill-Qwen-1.5B's shape (random weights).
+# The GPU checks in one bounded go, for a machine with one NVIDIA GPU (docs/benchmarks/gpu.md,
+# "Measured on GPU"): the gpu-marked tests, trainer MFU, the engine's decoding, the weight
+# hand-off and interruptible generation on DeepSeek-R1-Distill-Qwen-1.5B's shape (random weights).
 #
 #     bash scripts/gpu_check.sh [SECONDS]     # logs in $OUT (default /tmp/areal-gpu-check)
 #     STEPS="tests mfu" bash scripts/gpu_check.sh     # only those steps

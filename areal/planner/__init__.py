@@ -2,7 +2,7 @@
 before running it, for a grid of inference fractions (on CPUs: server counts) and etas.
 
     profiling run (events/, batches.jsonl) --calibrate.py--> profile.json (costs.py)
-    README's GPU figures ----------------------gpu_h200----> profile
+    docs' GPU figures ------------------------gpu_h200----> profile
     config + profile + grid point --sim.py: discrete-event simulation--> throughput,
         staleness, idle shares, bottleneck --__main__.py--> table + recommendation
 

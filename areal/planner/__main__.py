@@ -5,7 +5,7 @@
 
 --profile: run directories, comma-separated (calibrated now, costs fitted from their
 timelines: the config as it is, and best the same at max_staleness=0 too, for the speed-up of
-lent cores), a profile JSON (--save-profile writes one), or h200 (the README's GPU figures).
+lent cores), a profile JSON (--save-profile writes one), or h200 (docs/benchmarks/gpu.md).
 On CPUs the grid is the number of servers (--servers) sharing --cores; with --cluster
 NODESxGPUS it is launcher.inference_fraction (--fractions), split as areal/launcher/plan.py
 splits GPUs.

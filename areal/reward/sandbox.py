@@ -6,7 +6,7 @@
                                                   --> python -I -S prog.py  < stdin file
                                                                             > stdout file
 
-What each layer stops (the README's "Sandbox" section says the same for users):
+What each layer stops (docs/guides/tasks.md, "Sandbox", says the same for users):
 - an unprivileged uid of its own (SANDBOX_UID_BASE + the grader's pid: no real user has
   it, and concurrent sandboxes never share one) with no supplementary groups: it cannot
   read the experiment's key (a 0600 root file) or write anything it does not own;

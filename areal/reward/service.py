@@ -67,7 +67,7 @@ class RewardService:
         else:
             log.warning(
                 "code sandbox: %s; install bubblewrap for network and file-system "
-                "isolation (see README, Sandbox)",
+                "isolation (see docs/guides/tasks.md, Sandbox)",
                 mode,
             )
         self.pool = ProcessPool(cfg.n_workers, initializer=die_with_parent)

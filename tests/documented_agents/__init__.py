@@ -10,7 +10,8 @@ a right answer without it +1, anything else -5.
     openai_adder.py      one module-level AsyncOpenAI and aiohttp.ClientSession, tools by hand
 
 tests/system/test_agent_frameworks.py runs them for many episodes against a scripted model;
-README ("What the tiny tool model generalises to") runs them with configs/agent_tools.yaml.
+docs/guides/agents.md ("What the tiny tool model generalises to") runs them
+with configs/agent_tools.yaml.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def test_a_tiny_lora_run_learns_and_resumes_on_its_adapter(tmp_path):
     assert gaps and gaps[len(gaps) // 2] < 1e-5 and gaps[-1] < 1e-3, gaps
     rewards = [m["reward/mean"] for m in metrics]
     means = [sum(rewards[i : i + 20]) / 20 for i in range(0, steps - 19, 10)]
-    # LoRA learns this task more slowly than full fine-tuning (README: LoRA).
+    # LoRA learns this task more slowly than full fine-tuning (docs/guides/lora.md).
     assert max(means) > means[0] + 0.6, means
     # A version is the adapter: PEFT's two files, a fraction of the model's bytes.
     (version,) = [p for p in (exp_dir / "weights").iterdir() if p.name == f"v{steps:06d}"]

@@ -1,6 +1,6 @@
-"""A role started alone, as the README says for debugging: `python -m areal.worker --role
-reward --exp-dir DIR` in a prepared experiment directory registers itself, answers signed
-requests, refuses unsigned ones, and stops cleanly on SIGTERM."""
+"""A role started alone, as docs/concepts/architecture.md says for debugging: `python -m
+areal.worker --role reward --exp-dir DIR` in a prepared experiment directory registers itself,
+answers signed requests, refuses unsigned ones, and stops cleanly on SIGTERM."""
 
 from __future__ import annotations
 
