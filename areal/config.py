@@ -777,7 +777,9 @@ class ExperimentConfig(Section):
     max_staleness: int = 4
     """The paper's eta: a trained sample is at most this many versions older than the trainer; 0 = synchronous RL."""  # noqa: E501
     resume: bool = False
-    """Continue from the experiment directory's last checkpoint instead of starting afresh."""
+    """Continue from the experiment directory's last checkpoint instead of starting afresh (a directory holding a run with this same config is resumed without it)."""  # noqa: E501
+    overwrite: bool = False
+    """Start afresh in a directory that holds another run, moving that run aside to {trial_name}.old-<time> (never deleted); false refuses to start there."""  # noqa: E501
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy model."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -811,6 +813,8 @@ class ExperimentConfig(Section):
             self._fail("fileroot", "must not be empty: give a writable directory")
         self._positive("total_train_steps")
         self._non_negative("max_staleness")
+        if self.resume and self.overwrite:
+            self._fail("overwrite", "contradicts resume=true: set one of them")
         # Rules spanning sections.
         self._check_objective()
         n_traj = self.trainer.batch_size * self.rollout.group_size

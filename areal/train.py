@@ -13,6 +13,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,12 +26,14 @@ if TYPE_CHECKING:
     from areal.launcher.slurm import Allocation
 
 
-def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
-    """Make the experiment directory ready for a fresh or resumed run; resolve the model."""
+def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Checkpoint | None:
+    """Make the experiment directory ready for a fresh or resumed run; resolve the model.
+    A directory holding another run is never overwritten (areal/run_dir.py)."""
     from areal.checkpoint import checkpoints_root, latest
     from areal.comm.registry import create_key
     from areal.data.dataset import load_rows
     from areal.events import events_dir
+    from areal.run_dir import claim
     from areal.tasks import load_task
 
     task = load_task(cfg.dataset.type)  # a task of the user's is imported first here
@@ -48,8 +51,15 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     exp = cfg.exp_dir
+    if not recovering:
+        claim(cfg)  # a run there is resumed, moved aside (overwrite=true) or refused
     exp.mkdir(parents=True, exist_ok=True)
     ckpt = latest(exp) if cfg.resume else None
+    if ckpt is not None and ckpt.version >= cfg.total_train_steps and not recovering:
+        return ckpt  # a finished run: main says so, and nothing in it changes
+    if cfg.resume and not recovering and (exp / "logs").exists():
+        # The stopped run's logs stay (a recovery keeps its own in logs.attempt{n-1}).
+        (exp / "logs").rename(exp / time.strftime("logs.resumed-%Y%m%d-%H%M%S"))
     # Neither kind of run may find the previous run's addresses, weights or logs.
     for name in ("weights", "logs"):
         shutil.rmtree(exp / name, ignore_errors=True)
@@ -119,7 +129,7 @@ def prepare_recovery(cfg: ExperimentConfig, n: int) -> None:
     if logs.exists():
         logs.rename(cfg.exp_dir / f"logs.attempt{n - 1}")
     cfg.resume = True  # the roles read it from the config.yaml written below
-    prepare_experiment(cfg)
+    prepare_experiment(cfg, recovering=True)
 
 
 def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | list[RayNode] | None]:
@@ -221,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"areal: experiment directory {cfg.exp_dir}")
     print(f"areal: objective {cfg.ppo.summary()}")
     if ckpt is not None and ckpt.version >= cfg.total_train_steps:
-        print(f"areal: the checkpoint already has {ckpt.version} of {cfg.total_train_steps} steps")
+        print(
+            f"areal: the run in {cfg.exp_dir} is finished (its checkpoint has {ckpt.version} of "
+            f"{cfg.total_train_steps} steps); nothing was changed. A new trial_name=NAME starts "
+            "another run; resume=true with a larger total_train_steps trains this one further"
+        )
         return 0
     if cfg.launcher.type == "inline":  # every role in this process (areal/inline.py)
         from areal.inline import run_inline

@@ -296,7 +296,7 @@ def test_resume_after_a_crash(tmp_path):
     assert sorted(trained + ready + retry) == list(range(state["pos"]))
     # Nothing left to do: a second resume exits at once.
     again = run_train(tmp_path, f"total_train_steps={total}", "resume=true", *common)
-    assert again.returncode == 0 and f"already has {total} of {total} steps" in again.stdout
+    assert again.returncode == 0 and f"has {total} of {total} steps" in again.stdout
 
 
 def _newest_checkpoint(exp_dir: Path) -> int:
