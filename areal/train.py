@@ -33,6 +33,7 @@ def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Check
     from areal.comm.registry import create_key
     from areal.data.dataset import load_rows
     from areal.events import events_dir
+    from areal.preflight import check_disk, check_model_dir
     from areal.run_dir import claim
     from areal.tasks import load_task
 
@@ -50,6 +51,8 @@ def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Check
         resolve(cfg.rollout.workflow)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if cfg.model.path:  # before the directory changes: a wrong model is refused in ms
+        check_model_dir(cfg.model.path)
     exp = cfg.exp_dir
     if not recovering:
         claim(cfg)  # a run there is resumed, moved aside (overwrite=true) or refused
@@ -112,12 +115,8 @@ def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Check
         )
         print(f"areal: using the tiny model {path}")
         cfg.model.path = str(path)
-    if not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} holds no config.json: point it at a Hugging Face "
-            "model directory (config.json, *.safetensors, tokenizer files), or leave it empty "
-            "for the tiny model"
-        )
+    check_model_dir(cfg.model.path)
+    check_disk(cfg, cfg.model.path)
     save_config(cfg, exp / "config.yaml")
     return ckpt
 
