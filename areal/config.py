@@ -104,7 +104,7 @@ class ModelConfig(Section):
     _section: ClassVar[str] = "model"
 
     path: str = ""
-    """HF model directory; empty = the tiny model, made once per machine under ~/.cache/areal/models/ ($AREAL_CACHE_DIR/models; under SLURM {fileroot}/models/)."""  # noqa: E501
+    """HF model directory; empty = the tiny model, made once under $AREAL_CACHE_DIR/models/ if set (under every launcher: on a cluster, point it at shared storage), else per machine under ~/.cache/areal/models/ (under SLURM and Ray {fileroot}/models/)."""  # noqa: E501
     tiny_hidden: int = 64
     """Hidden size of the tiny model (used only when path is empty)."""
     tiny_layers: int = 2
@@ -679,7 +679,8 @@ class LauncherConfig(Section):
     (areal/inline.py; embedded engine, one rank)."""
     ray_address: str = "auto"
     """launcher.type=ray: the cluster to join (ray.init's address: auto = the one this node
-    belongs to or $RAY_ADDRESS; or host:port of its head, or ray://host:10001)."""
+    belongs to or $RAY_ADDRESS; or host:port of its head, or ray://host:10001); a head that
+    does not answer within 5 s is a config error."""
     ray_node_wait_s: float = 300.0
     """launcher.type=ray: seconds to wait for enough nodes and for the placement group, at the
     start and after a node is lost (while KubeRay or the autoscaler replaces it)."""

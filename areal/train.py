@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -94,7 +95,7 @@ def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Check
     (exp / "logs").mkdir()
     create_key(exp)
     if not cfg.model.path:
-        from areal.models.cache import cache_dir, tiny_model  # made once, then cached
+        from areal.models.cache import CACHE_ENV, cache_dir, tiny_model  # made once, then cached
 
         m = cfg.model
         # A task without warm-up data (code) gets the arith model: it knows digits and turns.
@@ -108,9 +109,9 @@ def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Check
             task=warm,
             options=cfg.dataset.options if warm == cfg.dataset.type else {},
             # On a cluster every node must see it: the run's shared storage, not this node's
-            # cache.
+            # cache, unless $AREAL_CACHE_DIR names one (the same cache under every launcher).
             root=cache_dir()
-            if cfg.launcher.type in ("local", "inline")
+            if cfg.launcher.type in ("local", "inline") or os.environ.get(CACHE_ENV)
             else Path(cfg.fileroot) / "models",
         )
         print(f"areal: using the tiny model {path}")

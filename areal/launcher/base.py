@@ -16,7 +16,8 @@ recover.max_restarts times (the console says so; metrics count it in recover/res
 after that, or with no way to resume, it stops everything and names the role with the
 tail of its log. A role that raised (rather than being killed or losing its node) before
 the run's first step, or raised the same error at the same step as before the last restart,
-is a bug, not a fault: the run stops at once instead of spending its restarts on it. SIGTERM (scancel, kill) and Ctrl-C stop everything too.
+is a bug, not a fault: the run stops at once instead of spending its restarts on it.
+SIGTERM (scancel, kill) and Ctrl-C stop everything too.
 """
 
 from __future__ import annotations
