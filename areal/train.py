@@ -191,6 +191,28 @@ def check_loggers_installed(cfg: ExperimentConfig) -> None:
         )
 
 
+def setup_lines(cfg: ExperimentConfig) -> list[str]:
+    """The objective, and what is on beyond the paper's default: LoRA, a reference model."""
+    from areal.config import PPOConfig
+
+    objective = cfg.ppo.summary()
+    default = PPOConfig().with_lengths(cfg.rollout.max_new_tokens).summary()
+    lines = [
+        f"objective {objective}"
+        + ("" if objective == default else " (not the paper's default decoupled PPO)")
+    ]
+    lora = cfg.model.lora
+    if lora.enabled:
+        lines.append(
+            f"LoRA on: rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.target_modules)}"
+            "; the base stays frozen, weights/vN hold adapters (python -m areal.export merges)"
+        )
+    if cfg.ppo.kl_coef:
+        ref = cfg.ref_model.path or "the policy's initial weights"
+        lines.append(f"reference model on: {ref} (ppo.kl_coef={cfg.ppo.kl_coef:g})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m areal.train", description="Run an asynchronous RL experiment."
@@ -229,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal: config error: {e}", file=sys.stderr)
         return 2
     print(f"areal: experiment directory {cfg.exp_dir}")
-    print(f"areal: objective {cfg.ppo.summary()}")
+    for line in setup_lines(cfg):
+        print(f"areal: {line}")
     if ckpt is not None and ckpt.version >= cfg.total_train_steps:
         print(
             f"areal: the run in {cfg.exp_dir} is finished (its checkpoint has {ckpt.version} of "

@@ -35,10 +35,11 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn, Protocol
 
+from areal.comm.registry import Registry
 from areal.config import ExperimentConfig
 from areal.controller.failures import NO_PROGRESS_EXIT, REPORT_MARK
 from areal.launcher.plan import Plan, Step
-from areal.launcher.progress import Progress
+from areal.launcher.progress import Progress, StartWaits
 from areal.loggers import MetricSink, make_loggers
 from areal.process import RESTARTS_ENV, die_with_parent
 
@@ -232,12 +233,16 @@ class Launcher(abc.ABC):
         does); without it a dead role stops the run."""
         sink = MetricSink(make_loggers(self.cfg))  # TensorBoard, W&B: off the main loop
         progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps, sink)
+        waits = self.start_waits(progress)
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             self.begin_attempt()
             self.procs = [self.start(step) for step in self.plan.steps]
+            waits.begin()
+            mark = progress.read
             while True:
                 progress.poll()
+                waits.poll(progress.read > mark)
                 dead = self._dead_role()
                 if dead is not None:
                     p, rc = dead
@@ -269,6 +274,8 @@ class Launcher(abc.ABC):
                     progress.rewind()
                     self.begin_attempt()
                     self.procs = [self.start(step) for step in self.plan.steps]
+                    waits.begin()
+                    mark = progress.read
                     continue
                 trainers = [p for p in self.procs if p.step.role == "trainer"]
                 if all(p.handle.poll() == 0 for p in trainers):
@@ -288,6 +295,22 @@ class Launcher(abc.ABC):
         finally:
             self.stop_all()
             signal.signal(signal.SIGTERM, previous)
+
+    def start_waits(self, progress: Progress) -> StartWaits:
+        """What the console names while the run starts (launcher/progress.py)."""
+        registry = Registry(self.exp_dir)
+        c = self.cfg
+        return StartWaits(
+            lambda role, k: registry.path(role, k).exists(),
+            [
+                (s.role, s.index)
+                for s in self.plan.steps
+                if s.role in ("rollout", "reward", "controller")
+            ],
+            f"the first batch ({c.trainer.batch_size} prompts x {c.rollout.group_size} samples "
+            "generated and graded), then the trainer's first step",
+            progress.write,
+        )
 
     def same_failure(self, p: Proc, rc: int, progress: Progress) -> str | None:
         """Why role p's exit looks like a bug, not a fault, if it does: it raised (a signal
