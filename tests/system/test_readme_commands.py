@@ -47,6 +47,8 @@ def test_readmes_commands_run_as_written(tmp_path):
     out = train(quick, tmp_path).stdout
     run0 = tmp_path / "tiny/run0"
     assert f"experiment directory {run0}" in out and "run finished" in out
+    # Starting roles take seconds (imports, the model): the console names what it waits for.
+    assert "areal: waiting for " in out and "server0 to load the model" in out
     again = train(quick, tmp_path).stdout  # the same command again: nothing is lost
     assert "is finished (its checkpoint has 2 of 2 steps); nothing was changed" in again
 
