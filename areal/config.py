@@ -104,7 +104,7 @@ class ModelConfig(Section):
     _section: ClassVar[str] = "model"
 
     path: str = ""
-    """HF model directory; empty = the tiny model, made once per machine under ~/.cache/areal/models/ ($AREAL_CACHE_DIR/models; under SLURM {fileroot}/models/)."""  # noqa: E501
+    """HF model directory; empty = the tiny model, made once under $AREAL_CACHE_DIR/models/ if set (under every launcher: on a cluster, point it at shared storage), else per machine under ~/.cache/areal/models/ (under SLURM and Ray {fileroot}/models/)."""  # noqa: E501
     tiny_hidden: int = 64
     """Hidden size of the tiny model (used only when path is empty)."""
     tiny_layers: int = 2
@@ -679,7 +679,8 @@ class LauncherConfig(Section):
     (areal/inline.py; embedded engine, one rank)."""
     ray_address: str = "auto"
     """launcher.type=ray: the cluster to join (ray.init's address: auto = the one this node
-    belongs to or $RAY_ADDRESS; or host:port of its head, or ray://host:10001)."""
+    belongs to or $RAY_ADDRESS; or host:port of its head, or ray://host:10001); a head that
+    does not answer within 5 s is a config error."""
     ray_node_wait_s: float = 300.0
     """launcher.type=ray: seconds to wait for enough nodes and for the placement group, at the
     start and after a node is lost (while KubeRay or the autoscaler replaces it)."""
@@ -777,7 +778,9 @@ class ExperimentConfig(Section):
     max_staleness: int = 4
     """The paper's eta: a trained sample is at most this many versions older than the trainer; 0 = synchronous RL."""  # noqa: E501
     resume: bool = False
-    """Continue from the experiment directory's last checkpoint instead of starting afresh."""
+    """Continue from the experiment directory's last checkpoint instead of starting afresh (a directory holding a run with this same config is resumed without it)."""  # noqa: E501
+    overwrite: bool = False
+    """Start afresh in a directory that holds another run, moving that run aside to {trial_name}.old-<time> (never deleted); false refuses to start there."""  # noqa: E501
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy model."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
@@ -811,6 +814,8 @@ class ExperimentConfig(Section):
             self._fail("fileroot", "must not be empty: give a writable directory")
         self._positive("total_train_steps")
         self._non_negative("max_staleness")
+        if self.resume and self.overwrite:
+            self._fail("overwrite", "contradicts resume=true: set one of them")
         # Rules spanning sections.
         self._check_objective()
         n_traj = self.trainer.batch_size * self.rollout.group_size

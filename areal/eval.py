@@ -1,4 +1,4 @@
-"""`python -m areal.eval --model DIR --data FILE --n-samples 32`: pass@1 and pass@k.
+"""`python -m areal.eval --model DIR|RUN_DIR [--data FILE | --task T] --n-samples 32`: pass@k.
 
     the task's rows (--task, else --config's dataset.type, else inferred from --data)
       --> n episodes per problem of the workflow (--workflow, else --config's
@@ -201,7 +201,10 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m areal.eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="HF model directory (tokenizer; and served)")
+    p.add_argument(
+        "--model", required=True, help="HF model directory (tokenizer; and served), or a run's "
+        "directory: its latest checkpoint, with the run's task, workflow and sampling",
+    )  # fmt: skip
     p.add_argument("--data", help="JSON/JSONL/parquet file of problems (default: --config's)")
     p.add_argument(
         "--task", help='dataset.type: a task (arith, longtail, math, code) or "package.module:'
@@ -242,6 +245,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="result JSON (default: eval_<data stem>.json here)")
     args = p.parse_args(argv)
+    run = Path(args.model)
+    args.run_dir = (
+        run if (run / "config.yaml").is_file() and (run / "checkpoints").is_dir() else None
+    )
+    if args.run_dir is not None and not (args.data or args.task or args.config):
+        args.config = str(run / "config.yaml")  # the run's task, workflow and sampling
     if not (args.data or args.task or args.config):
         p.error("--data is required (or --task naming a task made in code, e.g. arith)")
     if args.n_samples < 1 or (args.max_new_tokens or 1) < 1 or not (args.temperature or 1) > 0:
@@ -310,9 +319,29 @@ def resolve_settings(args: argparse.Namespace) -> None:
         raise ConfigError(str(e)) from e
 
 
+def run_model(run: Path) -> Path:
+    """The model a run trained: its latest checkpoint's model/ (what areal.export writes)."""
+    from areal.export import find_weights
+    from areal.weights import is_adapter_dir
+
+    try:
+        model = find_weights(run)
+    except ValueError as e:
+        raise ConfigError(f"--model {run}: {e}") from None
+    if is_adapter_dir(model):
+        raise ConfigError(
+            f"--model {run} is a LoRA run: its checkpoint holds adapters. Merge them first "
+            f"(python -m areal.export {run} --out DIR), then evaluate --model DIR"
+        )
+    return model
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.run_dir is not None:
+            args.model = str(run_model(args.run_dir))
+            print(f"areal.eval: evaluating {args.model} (the run's latest checkpoint)")
         if not (Path(args.model) / "config.json").is_file():
             raise ConfigError(f"--model {args.model!r} holds no config.json: give an HF model dir")
         resolve_settings(args)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,12 +27,15 @@ if TYPE_CHECKING:
     from areal.launcher.slurm import Allocation
 
 
-def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
-    """Make the experiment directory ready for a fresh or resumed run; resolve the model."""
+def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Checkpoint | None:
+    """Make the experiment directory ready for a fresh or resumed run; resolve the model.
+    A directory holding another run is never overwritten (areal/run_dir.py)."""
     from areal.checkpoint import checkpoints_root, latest
     from areal.comm.registry import create_key
     from areal.data.dataset import load_rows
     from areal.events import events_dir
+    from areal.preflight import check_disk, check_model_dir
+    from areal.run_dir import claim
     from areal.tasks import load_task
 
     task = load_task(cfg.dataset.type)  # a task of the user's is imported first here
@@ -47,9 +52,18 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
         resolve(cfg.rollout.workflow)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if cfg.model.path:  # before the directory changes: a wrong model is refused in ms
+        check_model_dir(cfg.model.path)
     exp = cfg.exp_dir
+    if not recovering:
+        claim(cfg)  # a run there is resumed, moved aside (overwrite=true) or refused
     exp.mkdir(parents=True, exist_ok=True)
     ckpt = latest(exp) if cfg.resume else None
+    if ckpt is not None and ckpt.version >= cfg.total_train_steps and not recovering:
+        return ckpt  # a finished run: main says so, and nothing in it changes
+    if cfg.resume and not recovering and (exp / "logs").exists():
+        # The stopped run's logs stay (a recovery keeps its own in logs.attempt{n-1}).
+        (exp / "logs").rename(exp / time.strftime("logs.resumed-%Y%m%d-%H%M%S"))
     # Neither kind of run may find the previous run's addresses, weights or logs.
     for name in ("weights", "logs"):
         shutil.rmtree(exp / name, ignore_errors=True)
@@ -81,7 +95,7 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
     (exp / "logs").mkdir()
     create_key(exp)
     if not cfg.model.path:
-        from areal.models.cache import cache_dir, tiny_model  # made once, then cached
+        from areal.models.cache import CACHE_ENV, cache_dir, tiny_model  # made once, then cached
 
         m = cfg.model
         # A task without warm-up data (code) gets the arith model: it knows digits and turns.
@@ -95,19 +109,15 @@ def prepare_experiment(cfg: ExperimentConfig) -> Checkpoint | None:
             task=warm,
             options=cfg.dataset.options if warm == cfg.dataset.type else {},
             # On a cluster every node must see it: the run's shared storage, not this node's
-            # cache.
+            # cache, unless $AREAL_CACHE_DIR names one (the same cache under every launcher).
             root=cache_dir()
-            if cfg.launcher.type in ("local", "inline")
+            if cfg.launcher.type in ("local", "inline") or os.environ.get(CACHE_ENV)
             else Path(cfg.fileroot) / "models",
         )
         print(f"areal: using the tiny model {path}")
         cfg.model.path = str(path)
-    if not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} holds no config.json: point it at a Hugging Face "
-            "model directory (config.json, *.safetensors, tokenizer files), or leave it empty "
-            "for the tiny model"
-        )
+    check_model_dir(cfg.model.path)
+    check_disk(cfg, cfg.model.path)
     save_config(cfg, exp / "config.yaml")
     return ckpt
 
@@ -119,7 +129,7 @@ def prepare_recovery(cfg: ExperimentConfig, n: int) -> None:
     if logs.exists():
         logs.rename(cfg.exp_dir / f"logs.attempt{n - 1}")
     cfg.resume = True  # the roles read it from the config.yaml written below
-    prepare_experiment(cfg)
+    prepare_experiment(cfg, recovering=True)
 
 
 def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | list[RayNode] | None]:
@@ -181,6 +191,28 @@ def check_loggers_installed(cfg: ExperimentConfig) -> None:
         )
 
 
+def setup_lines(cfg: ExperimentConfig) -> list[str]:
+    """The objective, and what is on beyond the paper's default: LoRA, a reference model."""
+    from areal.config import PPOConfig
+
+    objective = cfg.ppo.summary()
+    default = PPOConfig().with_lengths(cfg.rollout.max_new_tokens).summary()
+    lines = [
+        f"objective {objective}"
+        + ("" if objective == default else " (not the paper's default decoupled PPO)")
+    ]
+    lora = cfg.model.lora
+    if lora.enabled:
+        lines.append(
+            f"LoRA on: rank {lora.rank}, alpha {lora.alpha:g} on {','.join(lora.target_modules)}"
+            "; the base stays frozen, weights/vN hold adapters (python -m areal.export merges)"
+        )
+    if cfg.ppo.kl_coef:
+        ref = cfg.ref_model.path or "the policy's initial weights"
+        lines.append(f"reference model on: {ref} (ppo.kl_coef={cfg.ppo.kl_coef:g})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m areal.train", description="Run an asynchronous RL experiment."
@@ -219,9 +251,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal: config error: {e}", file=sys.stderr)
         return 2
     print(f"areal: experiment directory {cfg.exp_dir}")
-    print(f"areal: objective {cfg.ppo.summary()}")
+    for line in setup_lines(cfg):
+        print(f"areal: {line}")
     if ckpt is not None and ckpt.version >= cfg.total_train_steps:
-        print(f"areal: the checkpoint already has {ckpt.version} of {cfg.total_train_steps} steps")
+        print(
+            f"areal: the run in {cfg.exp_dir} is finished (its checkpoint has {ckpt.version} of "
+            f"{cfg.total_train_steps} steps); nothing was changed. A new trial_name=NAME starts "
+            "another run; resume=true with a larger total_train_steps trains this one further"
+        )
         return 0
     if cfg.launcher.type == "inline":  # every role in this process (areal/inline.py)
         from areal.inline import run_inline

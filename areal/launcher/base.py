@@ -14,13 +14,17 @@ rank, the controller, a rollout worker, a reward service) stops every role and r
 the whole run from its latest checkpoint, exactly as `resume=true` would, up to
 recover.max_restarts times (the console says so; metrics count it in recover/restarts);
 after that, or with no way to resume, it stops everything and names the role with the
-tail of its log. SIGTERM (scancel, kill) and Ctrl-C stop everything too.
+tail of its log. A role that raised (rather than being killed or losing its node) before
+the run's first step, or raised the same error at the same step as before the last restart,
+is a bug, not a fault: the run stops at once instead of spending its restarts on it.
+SIGTERM (scancel, kill) and Ctrl-C stop everything too.
 """
 
 from __future__ import annotations
 
 import abc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,10 +35,11 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn, Protocol
 
+from areal.comm.registry import Registry
 from areal.config import ExperimentConfig
 from areal.controller.failures import NO_PROGRESS_EXIT, REPORT_MARK
 from areal.launcher.plan import Plan, Step
-from areal.launcher.progress import Progress
+from areal.launcher.progress import Progress, StartWaits
 from areal.loggers import MetricSink, make_loggers
 from areal.process import RESTARTS_ENV, die_with_parent
 
@@ -99,6 +104,19 @@ def tail(path: Path, n: int) -> str:
         return f"(no log: {e})"
 
 
+_ERROR = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b.*$")
+_VOLATILE = re.compile(r"0x[0-9a-f]+|\d{4,}")
+
+
+def error_line(log: Path) -> str | None:
+    """The last `SomeError: message` line of a role's log, its addresses, ports and ids
+    masked (they differ between attempts of one bug); None without one."""
+    for line in reversed(tail(log, 200).splitlines()):
+        if _ERROR.match(line.strip()):
+            return _VOLATILE.sub("#", line.strip())
+    return None
+
+
 def exit_reason(rc: int) -> str:
     if rc < 0:
         return f"was killed by {signal.Signals(-rc).name}"
@@ -143,6 +161,8 @@ class Launcher(abc.ABC):
         self.procs: list[Proc] = []
         self.recoveries = 0
         """Times the whole run was restarted from its latest checkpoint."""
+        self.last_failure: tuple[str, str | None, int] | None = None
+        """(role, error line, step) of the exit that caused the last restart."""
 
     @abc.abstractmethod
     def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -213,12 +233,16 @@ class Launcher(abc.ABC):
         does); without it a dead role stops the run."""
         sink = MetricSink(make_loggers(self.cfg))  # TensorBoard, W&B: off the main loop
         progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps, sink)
+        waits = self.start_waits(progress)
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             self.begin_attempt()
             self.procs = [self.start(step) for step in self.plan.steps]
+            waits.begin()
+            mark = progress.read
             while True:
                 progress.poll()
+                waits.poll(progress.read > mark)
                 dead = self._dead_role()
                 if dead is not None:
                     p, rc = dead
@@ -230,6 +254,11 @@ class Launcher(abc.ABC):
                     if (why := self.start_failure(p)) is not None:
                         progress.close()
                         print(f"\nareal: {why}; stopping the run", file=sys.stderr, flush=True)
+                        return 1
+                    if (why := self.same_failure(p, rc, progress)) is not None:
+                        progress.close()
+                        self._report(p, rc, f"{why}: a restart would fail the same way, so "
+                                     "stopping the run")  # fmt: skip
                         return 1
                     if resume is None or self.recoveries >= self.cfg.recover.max_restarts:
                         progress.close()
@@ -245,6 +274,8 @@ class Launcher(abc.ABC):
                     progress.rewind()
                     self.begin_attempt()
                     self.procs = [self.start(step) for step in self.plan.steps]
+                    waits.begin()
+                    mark = progress.read
                     continue
                 trainers = [p for p in self.procs if p.step.role == "trainer"]
                 if all(p.handle.poll() == 0 for p in trainers):
@@ -264,6 +295,40 @@ class Launcher(abc.ABC):
         finally:
             self.stop_all()
             signal.signal(signal.SIGTERM, previous)
+
+    def start_waits(self, progress: Progress) -> StartWaits:
+        """What the console names while the run starts (launcher/progress.py)."""
+        registry = Registry(self.exp_dir)
+        c = self.cfg
+        return StartWaits(
+            lambda role, k: registry.path(role, k).exists(),
+            [
+                (s.role, s.index)
+                for s in self.plan.steps
+                if s.role in ("rollout", "reward", "controller")
+            ],
+            f"the first batch ({c.trainer.batch_size} prompts x {c.rollout.group_size} samples "
+            "generated and graded), then the trainer's first step",
+            progress.write,
+        )
+
+    def same_failure(self, p: Proc, rc: int, progress: Progress) -> str | None:
+        """Why role p's exit looks like a bug, not a fault, if it does: it raised (a signal
+        or a lost node is a fault) before the run's first step, or raised the error it
+        raised before the last restart, at the same step."""
+        if rc <= 0 or p.handle.lost:
+            self.last_failure = None
+            return None
+        progress.poll()  # the lines written just before the exit count
+        error = error_line(p.log)
+        step = progress.times[-1][0] if progress.times else 0
+        if step == 0 and self.recoveries == 0:
+            return "it failed before the run's first step completed"
+        failure = (p.name, error, step)
+        if error is not None and failure == self.last_failure:
+            return f"it failed with the same error at step {step} as before the last restart"
+        self.last_failure = failure
+        return None
 
     def _dead_role(self) -> tuple[Proc, int] | None:
         """A role whose exit ends this attempt (a server is restarted in place instead)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -20,6 +22,10 @@ from areal.loggers import MetricSink
 
 ETA_WINDOW = 20
 """Steps over which the time per step is averaged (recent speed, not the warm-up's)."""
+NOTICE_S = 2.0
+"""A wait before the first step is named once it has lasted this long..."""
+REPEAT_S = 30.0
+"""...and named again every this many seconds while it lasts."""
 
 
 class Progress:
@@ -41,6 +47,12 @@ class Progress:
             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
         )
         self._closed = False
+        self.read = 0
+        """Lines read (this launcher's count: a recovery's rewind does not lower it)."""
+
+    def write(self, line: str) -> None:
+        """A console line above the progress bar."""
+        self.bar.write(line)
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -53,6 +65,7 @@ class Progress:
         for line in lines[:-1]:
             if line.strip():
                 m = json.loads(line)
+                self.read += 1
                 self.times.append((m["step"], m["time"]))
                 eta = eta_seconds(self.times, self.total_steps)
                 self.bar.write(f"{format_step(m)} | ETA {format_duration(eta)}")
@@ -106,3 +119,51 @@ def format_step(m: dict) -> str:
         f"staleness max {m['staleness/max']} | {m['throughput/train_tokens_per_s']:7.1f} tok/s | "
         f"{m['time']:7.1f}s"
     )
+
+
+class StartWaits:
+    """Says what a starting run (or a recovery) waits for before its first step, once a
+    wait has lasted NOTICE_S: the roles (a rollout worker registers once its server has
+    loaded the model and answers), then the first batch. Silent after the first step."""
+
+    def __init__(
+        self,
+        registered: Callable[[str, int], bool],
+        roles: list[tuple[str, int]],
+        first_batch: str,
+        write: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.registered, self.roles, self.first_batch = registered, roles, first_batch
+        self.write, self.clock = write, clock
+        self.begin()
+
+    def begin(self) -> None:
+        """A new attempt starts: its roles start again."""
+        self.active = True
+        self.what: str | None = None
+        self.since = self.clock()
+        self.said: float | None = None
+
+    def waiting_for(self) -> str:
+        starting = [
+            f"server{k} to load the model" if role == "rollout" else f"{role}{k} to start"
+            for role, k in self.roles
+            if not self.registered(role, k)
+        ]
+        return ", ".join(starting) if starting else self.first_batch
+
+    def poll(self, stepped: bool) -> None:
+        if not self.active:
+            return
+        if stepped:
+            self.active = False
+            return
+        what, now = self.waiting_for(), self.clock()
+        phase = "batch" if what == self.first_batch else "roles"
+        if phase != self.what:  # the first batch's wait begins (the roles' began with us)
+            self.since = self.since if self.what is None else now
+            self.what, self.said = phase, None
+        if now - self.since >= NOTICE_S and (self.said is None or now - self.said >= REPEAT_S):
+            self.write(f"areal: waiting for {what} ({now - self.since:.0f} s so far)")
+            self.said = now

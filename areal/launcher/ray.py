@@ -29,6 +29,7 @@ ReadWriteMany), as under SLURM.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -55,12 +56,50 @@ class PlacementError(Exception):
     """The cluster cannot hold the plan (not enough nodes, resources held by others)."""
 
 
+PROBE_S = 5.0
+"""Seconds to wait for a TCP connection to the cluster's address before calling it gone
+(ray.init itself retries an unreachable head for minutes)."""
+
+
+def head_address(address: str) -> tuple[str, int] | None:
+    """(host, port) that launcher.ray_address (or, for auto, $RAY_ADDRESS or the cluster
+    that `ray start` on this node recorded) points at; None when there is nothing to probe."""
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "")
+        if not address:
+            recorded = Path("/tmp/ray/ray_current_cluster")
+            address = recorded.read_text().strip() if recorded.is_file() else ""
+    address = address.removeprefix("ray://")
+    if not address or address in ("auto", "local") or ":" not in address:
+        return None
+    host, port = address.rsplit(":", 1)
+    return (host, int(port)) if port.isdigit() else None
+
+
+def reachable(address: str) -> str | None:
+    """Why the cluster at `address` cannot be reached, if it cannot."""
+    head = head_address(address)
+    if head is None:
+        return None
+    try:
+        socket.create_connection(head, timeout=PROBE_S).close()
+    except OSError as e:
+        return f"nothing answers at {head[0]}:{head[1]} within {PROBE_S:.0f} s ({e})"
+    return None
+
+
 def connect(address: str) -> None:
     """Join the cluster as a driver (once per process)."""
     import ray
 
     if ray.is_initialized():
         return
+    if (why := reachable(address)) is not None:
+        raise ConfigError(
+            f"launcher.type=ray found no Ray cluster at launcher.ray_address={address!r}: "
+            f"{why}. Start one (`ray start --head --port=PORT`; README: a Ray cluster on one "
+            "machine), or set launcher.ray_address to its head's HOST:PORT"
+        )
     try:
         ray.init(
             address=address,

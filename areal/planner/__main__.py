@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from areal.config import ConfigError, ExperimentConfig, load_config
-from areal.planner.calibrate import calibrate
+from areal.planner.calibrate import WARNING, calibrate
 from areal.planner.costs import BUILTIN, Profile, load_profile
 from areal.planner.sim import Result, Setting, simulate
 
@@ -220,8 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{**asdict(p.result), "label": p.label, "eta": p.eta} for p in points]))
         return 0
     print(f"profile: {profile.source}")
+    print(format_fit(profile))
     print(format_grid(points))
     return 0
+
+
+def format_fit(profile: Profile) -> str:
+    """The profile's notes: how well each cost fitted, what was assumed, and warnings."""
+    lines = [n for n in profile.notes if not n.startswith(WARNING)]
+    warnings = [n for n in profile.notes if n.startswith(WARNING)]
+    head = ["fit (what the plan below rests on):", *(f"  {n}" for n in lines)] if lines else []
+    return "\n".join(head + [f"areal.planner: {w}" for w in warnings])
 
 
 if __name__ == "__main__":

@@ -84,11 +84,39 @@ def _speedups(
             continue
         # Within what n threads can do: below half of one thread is noise or a machine busy
         # with something else, not threads.
-        out[n] = min(float(n), max(0.5, float(sum(x @ coef for x, _ in xs) / measured)))
+        raw = float(sum(x @ coef for x, _ in xs) / measured)
+        out[n] = min(float(n), max(0.5, raw))
         notes.append(f"{what} on {n} threads: {out[n]:.2f}x one thread ({len(xs)} spans)")
+        _check_speedup(raw, n, what, notes)
     if len(out) == 1:
         notes.append(f"{what}: no span on lent cores; a second thread assumed to add nothing")
     return out
+
+
+R2_WARN = 0.8
+"""A fit explaining less of its spans' variance than this predicts poorly: say so."""
+WARNING = "warning: "
+"""The start of a note that the planner prints as a warning."""
+
+
+def _check_fit(r2: float, what: str, notes: list[str]) -> None:
+    if r2 < R2_WARN:
+        notes.append(
+            f"{WARNING}the {what} fit's R^2 is {r2:.2f} (under {R2_WARN}): its costs, and the "
+            "plan made of them, are rough; profile a longer run (more steps) on an otherwise "
+            "idle machine"
+        )
+
+
+def _check_speedup(raw: float, n: int, what: str, notes: list[str]) -> None:
+    """A lent thread that slows a role down, or speeds it past n threads, is a measurement
+    of something else (other work on the machine, too few spans), not of the thread."""
+    if raw < 1.0 or raw > n:
+        notes.append(
+            f"{WARNING}{what} on {n} threads measured {raw:.2f}x one thread (taken as "
+            f"{min(float(n), max(0.5, raw)):.2f}x): threads cannot do that; the machine was "
+            "likely busy with other work while profiling, so treat lent cores' gains as unknown"
+        )
 
 
 def _where(runs: list[Run]) -> str:
@@ -116,7 +144,9 @@ def fit_decode(runs: list[Run], notes: list[str]) -> DecodeCost:
     x = np.array([r[1] for r in rows if r[0] == base])
     y = np.array([r[2] for r in rows if r[0] == base])
     coef = nnls(x, y)
-    notes.append(f"decode fit over {len(y)} windows on {base} thread(s): R^2 {_r2(x, y, coef):.3f}")
+    r2 = _r2(x, y, coef)
+    notes.append(f"decode fit over {len(y)} windows on {base} thread(s): R^2 {r2:.3f}")
+    _check_fit(r2, "decode", notes)
     speedup = _speedups([(t, xx, yy) for t, xx, yy in rows], coef, notes, "decode")
     if base != 1:  # the fit is of `base` threads; express it against one
         notes.append(f"decode: no one-thread window; costs are of {base} threads")
@@ -174,7 +204,9 @@ def fit_train(runs: list[Run], notes: list[str]) -> TrainCost:
         keep = [j for j, c in enumerate(cols) if c == "one" or x[:, j].std() > 0]
         coef = np.zeros(len(cols))
         coef[keep] = nnls(x[:, keep], y)
-        notes.append(f"{what} fit over {len(y)} spans: R^2 {_r2(x, y, coef):.3f}")
+        r2 = _r2(x, y, coef)
+        notes.append(f"{what} fit over {len(y)} spans: R^2 {r2:.3f}")
+        _check_fit(r2, what, notes)
         dropped = [c for j, c in enumerate(cols) if j not in keep]
         if dropped:
             notes.append(f"{what}: {', '.join(dropped)} never varied; counted in the constant")
@@ -223,10 +255,12 @@ def _lent_speedup(spans: list[tuple[float, float, float]], notes: list[str]) -> 
         )
         return {1: 1.0}
     # Within what two threads can do: below half of one is noise or a machine busy elsewhere.
-    s = min(2.0, max(0.5, 1 + sum(p - t for p, t, _ in lent) / weight))
+    raw = 1 + sum(p - t for p, t, _ in lent) / weight
+    s = min(2.0, max(0.5, raw))
     notes.append(
         f"trainer on 2 threads: {s:.2f}x one thread ({weight:.2f} s lent, {len(lent)} spans)"
     )
+    _check_speedup(raw, 2, "trainer", notes)
     return {1: 1.0, 2: s}
 
 

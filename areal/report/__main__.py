@@ -3,8 +3,8 @@
     RUN_DIR/{metrics,batches}.jsonl, events/ --data.py--> series --plots.py--> RUN_DIR/report/*.png
     several RUN_DIRs --> also compare.png in --out (default: their common parent/report-compare)
 
-Prints a summary per run: steps, final and best reward, median throughput, and the share
-of time each lane (server, trainer rank) spent waiting.
+Prints a summary per run: steps, final reward (mean of the last 10 steps) and best, median
+throughput, and the share of time each lane (server, trainer rank) spent waiting.
 """
 
 from __future__ import annotations

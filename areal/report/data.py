@@ -277,6 +277,11 @@ def cores_used(run: Run) -> dict[str, float]:
     }
 
 
+SMOOTH_STEPS = 10
+"""Steps whose mean reward the summary gives as the run's final reward: one batch's mean is
+noisy (a tiny run's swings by several points from step to step)."""
+
+
 def summary(run: Run) -> dict:
     """The figures `python -m areal.report` prints for a run."""
     _, _, reward = series(run, "reward/mean")
@@ -287,6 +292,8 @@ def summary(run: Run) -> dict:
         "steps": int(run.metrics[-1]["step"]),
         "time_s": float(run.metrics[-1]["time"]),
         "final_reward": float(reward[-1]),
+        "smoothed_steps": min(SMOOTH_STEPS, len(reward)),
+        "smoothed_final_reward": float(np.mean(reward[-SMOOTH_STEPS:])),
         "best_reward": float(reward[best]),
         "best_step": int(run.metrics[best]["step"]),
         "median_train_tokens_per_s": float(np.median(tput)) if len(tput) else float("nan"),
@@ -299,8 +306,9 @@ def summary(run: Run) -> dict:
 def format_summary(s: dict) -> str:
     lines = [
         f"{s['label']}: {s['steps']} steps in {s['time_s']:.1f}s",
-        f"  reward: final {s['final_reward']:+.2f}, best {s['best_reward']:+.2f} "
-        f"(step {s['best_step']})",
+        f"  reward: {s['smoothed_final_reward']:+.2f} (mean of the last {s['smoothed_steps']} "
+        f"steps; the last step's batch alone {s['final_reward']:+.2f}), best "
+        f"{s['best_reward']:+.2f} (step {s['best_step']})",
         f"  median training throughput: {s['median_train_tokens_per_s']:.1f} tok/s",
     ]
     waits = [(n, w) for n, w in s["waiting"].items() if w == w]  # NaN: no waiting measure

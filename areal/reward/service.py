@@ -59,17 +59,9 @@ class RewardService:
         self.options: dict[str, dict] = {}  # task -> its grader's options, made on first use
         # Probed once here, before the pool forks, so its processes inherit the answer.
         try:
-            mode = sandbox.mode()
+            self.sandbox_mode = sandbox.mode()
         except RuntimeError as e:  # no interpreter the sandbox may run: code answers error
-            mode = f"unusable ({e})"
-        if mode == "bwrap":
-            log.info("code sandbox: bwrap (namespaces, private file system)")
-        else:
-            log.warning(
-                "code sandbox: %s; install bubblewrap for network and file-system "
-                "isolation (see docs/guides/tasks.md, Sandbox)",
-                mode,
-            )
+            self.sandbox_mode = f"unusable ({e})"
         self.pool = ProcessPool(cfg.n_workers, initializer=die_with_parent)
         # At most one grading per pool process is submitted, so that a response's time
         # limit counts its own grading, never its wait in the pool's queue.
@@ -84,8 +76,20 @@ class RewardService:
             for module in grader.grader_imports:  # before the pool forks (on its first use)
                 importlib.import_module(module)
             self.options[task] = grader.grader_options(self.cfg)
+            if grader.uses_sandbox:  # said only where code runs (arith, math: never)
+                self._say_sandbox()
         verdicts = await asyncio.gather(*(self._grade(task, r, answer) for r in responses))
         return [self.correct if ok else self.wrong for ok in verdicts]
+
+    def _say_sandbox(self) -> None:
+        if self.sandbox_mode == "bwrap":
+            log.info("code sandbox: bwrap (namespaces, private file system)")
+        else:
+            log.warning(
+                "code sandbox: %s; install bubblewrap for network and file-system "
+                "isolation (see docs/guides/tasks.md, Sandbox)",
+                self.sandbox_mode,
+            )
 
     async def _grade(self, task: str, response: str, answer: Any) -> bool:
         grader = load_task(task)

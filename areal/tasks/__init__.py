@@ -78,6 +78,9 @@ class Task:
     """Heavy modules is_correct imports when called (a task module stays cheap to import):
     the reward service imports them before its pool forks, so that no grading pays for them
     within its time limit."""
+    uses_sandbox: bool = False
+    """is_correct runs the response in the code sandbox (areal/reward/sandbox.py): the
+    reward service says how isolated it is when it first grades the task (only then)."""
     grade_inline: bool = False
     """is_correct is a regex on the response, cheap and unable to hang: the reward service
     calls it in its own process. A pool round trip costs more than such a grading (15% of a

@@ -46,4 +46,5 @@ TASK = Task(
     record_fields="'problem' and 'tests'",
     is_correct=is_correct,
     grader_options=grader_options,
+    uses_sandbox=True,
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -57,6 +58,25 @@ def role_pid(tmp_path: Path, role: str) -> int | None:
 def nothing_left(cluster, tmp_path: Path) -> None:
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 15, "no role left")
     _wait_for(lambda: cluster.actor_processes() == [], 15, "no actor left")
+
+
+def test_an_unreachable_ray_address_fails_at_once_with_an_areal_message(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        train_cmd(tmp_path, "launcher.type=ray", f"launcher.ray_address=127.0.0.1:{port}"),
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (
+        f"found no Ray cluster at launcher.ray_address='127.0.0.1:{port}': nothing answers"
+        in proc.stderr
+    )
+    assert "ray start --head" in proc.stderr and "Failed to connect to GCS" not in proc.stderr
+    assert took < 15, took  # issue 54: Ray alone retried for minutes
 
 
 def test_the_placement_is_printed_by_a_dry_run(cluster, tmp_path):

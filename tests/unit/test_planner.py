@@ -221,7 +221,14 @@ DECODE = dict(step_s=2e-3, row_s=3e-5, cell_s=4e-8, prefill_token_s=5e-6, prefil
 TRAIN = dict(token_s=4e-5, seq_s=2e-4, minibatch_s=6e-3)
 
 
-def synthetic_run(path: Path, steps: int = 30, events: bool = True, seed: int = 1) -> Path:
+def synthetic_run(
+    path: Path,
+    steps: int = 30,
+    events: bool = True,
+    seed: int = 1,
+    noise: float = 0.02,
+    lent_speed: float = 1.5,
+) -> Path:
     """A run directory whose spans follow known costs (+-2% noise): what calibrate reads.
     A decode step costs the cells its attention read (more than its rows' contexts); every
     other step's updates run on a lent core, 1.5x faster."""
@@ -261,7 +268,7 @@ def synthetic_run(path: Path, steps: int = 30, events: bool = True, seed: int = 
         for mb in (outs[0::2], outs[1::2]):
             tokens, seqs = sum(mb) + 12 * len(mb), len(mb)
             dur = TRAIN["token_s"] * tokens + TRAIN["seq_s"] * seqs + TRAIN["minibatch_s"]
-            dur *= rng.uniform(0.98, 1.02) / (1.5 if lent else 1)
+            dur *= rng.uniform(1 - noise, 1 + noise) / (lent_speed if lent else 1)
             update = {"kind": "update", "start": t, "end": t + dur, "version": step}
             lines["trainer0"].append({**update, "tokens": tokens, "seqs": seqs, "mbs": 1})
             t += dur
@@ -346,6 +353,22 @@ def test_a_run_without_decode_windows_names_them(tmp_path):
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(ConfigError, match="metrics.jsonl"):
         calibrate(tmp_path)
+
+
+def test_cli_prints_the_fit_and_warns_of_a_poor_one(tmp_path, capsys):
+    args = ["--config", str(ROOT / "configs/tiny_longtail.yaml"), "--etas", "0,2",
+            "--steps", "12", "--cores", "2", "trainer.batch_size=2"]  # fmt: skip
+    assert cli.main([*args, "--profile", str(synthetic_run(tmp_path / "good"))]) == 0
+    out = capsys.readouterr().out
+    assert "fit (what the plan below rests on):" in out and "  update fit over" in out
+    assert "R^2 0.9" in out and "warning" not in out
+    # Updates timed at +-90% (a machine busy with other work), a lent core 0.6x as fast.
+    noisy = synthetic_run(tmp_path / "busy", noise=0.9, lent_speed=0.6)
+    assert cli.main([*args, "--profile", str(noisy)]) == 0
+    out = capsys.readouterr().out
+    assert "areal.planner: warning: the update fit's R^2 is 0." in out
+    assert "areal.planner: warning: trainer on 2 threads measured 0." in out
+    assert "threads cannot do that" in out
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,9 @@ def test_summary_and_its_text(tmp_path):
     assert s["median_train_tokens_per_s"] == pytest.approx(105.5)
     text = data.format_summary(s)
     assert "exp/t1: 10 steps in 20.0s" in text
-    assert "final +5.00, best +5.00 (step 10)" in text
+    assert s["smoothed_final_reward"] == pytest.approx(2.75)  # 0.5 * (1 + ... + 10) / 10
+    assert "reward: +2.75 (mean of the last 10 steps; the last step's batch alone +5.00), " in text
+    assert "best +5.00 (step 10)" in text
     assert "server0 25% (not generating), trainer0 25%" in text
     assert "a lane idle, its core not lent, while another computes: 50% of the run" in text
     assert s["cores"] == pytest.approx({"trainer0": 0.5, "rollout0": 0.1})
