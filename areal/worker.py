@@ -40,6 +40,16 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     registry = Registry(cfg.exp_dir)
     timeout = cfg.inference.startup_timeout_s
     url = registry.lookup("server", index, timeout=timeout)
+    store = tokenizer = reward = None
+    if cfg.rollout.data_plane == "pull":  # it decodes, grades and holds its trajectories
+        from transformers import AutoTokenizer
+
+        from areal.comm.rpc import RpcClient
+        from areal.data_plane import TrajectoryStore
+
+        store = TrajectoryStore(f"rollout{index}")
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        reward = RpcClient(registry.lookup("reward", 0, timeout=timeout + 60), key)
     fatal: list[Exception] = []  # recovery gave up on the server: this process ends with it
     worker = RolloutWorker(
         url,
@@ -53,6 +63,9 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
         + cfg.inference.update_timeout_s * cfg.inference.update_retries,
         on_fatal=lambda e: (fatal.append(e), server.close()),
         api_key=api_key(cfg.exp_dir),
+        store=store,
+        tokenizer=tokenizer,
+        reward=reward,
     )
     # On failure: the server's command line and the tail of logs/server{index}.log.
     await wait_for_server(
@@ -64,11 +77,17 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     server = RpcServer(key)
     for name in RolloutWorker.RPC_METHODS:
         server.register(name, getattr(worker, name))
+    if store is not None:
+        store.address = server.address
+        for name in store.RPC_METHODS:
+            server.register(name, getattr(store, name))
     registry.register("rollout", index, server.address)
     try:
         await _serve_until_stopped(server)
     finally:
         await worker.client.close()
+        if reward is not None:
+            reward.close()
     if fatal:
         raise fatal[0]
 
