@@ -83,6 +83,9 @@ class Controller:
         """With pull: the holder of trajectories made here (agents), from get_batch on;
         run_controller sets its address."""
         self._handed_out: list[TrajectoryRef] = []  # the last batch, released at the next
+        self.server: RpcServer | None = None
+        """Its RPC server (run_controller's), for the bytes it moved."""
+        self._bytes_moved = 0
         self.workflow = workflow or load_workflow(cfg.rollout.workflow, cfg.rollout)
         assert isinstance(self.workflow, Workflow), "workflows subclass areal.workflow.Workflow"
         self.episodes = EpisodeRunner(self.workflow, cfg.rollout.episode_timeout_s)
@@ -260,6 +263,11 @@ class Controller:
             self._handed_out = trajs
         return {"trajectories": [t.to_wire() for t in trajs], "stats": stats}
 
+    def bytes_moved(self) -> int:
+        """Bytes of the frames the controller has sent and received over RPC."""
+        ends = [*self.pool.workers, self.reward, self.server]
+        return sum(getattr(e, "bytes_in", 0) + getattr(e, "bytes_out", 0) for e in ends)
+
     def _release(self, refs: list[TrajectoryRef]) -> None:
         self.store.release_now([r.traj_id for r in refs if r.holder == self.store.address])
         self.pool.release([r for r in refs if r.holder != self.store.address])
@@ -275,8 +283,13 @@ class Controller:
         if n_rewards:  # every group finished since the last batch, dropped ones too (the
             # trained batch's reward/mean is what dynamic sampling kept)
             pool_stats["rollout/reward_mean"] = reward_sum / n_rewards
+        moved = self.bytes_moved()
+        moved, self._bytes_moved = moved - self._bytes_moved, moved
         return {
             **pool_stats,
+            # Every frame in or out of the controller since the last batch (the data plane's
+            # yardstick: with pull, a small share of the batch's bytes).
+            "data/controller_bytes": moved,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/groups_in_flight": self.buffer.n_in_flight,
             "rollout/groups_ready": len(self.buffer),
@@ -357,6 +370,7 @@ async def run_controller(
     server.register("get_batch", controller.get_batch)
     server.register("weights_ready", controller.weights_ready)
     server.register("save_state", controller.save_state)
+    controller.server = server
     controller.store.address = server.address
     for name in controller.store.RPC_METHODS:
         server.register(name, getattr(controller.store, name))
