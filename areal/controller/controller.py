@@ -86,6 +86,7 @@ class Controller:
         self.server: RpcServer | None = None
         """Its RPC server (run_controller's), for the bytes it moved."""
         self._bytes_moved = 0
+        self._admit_to_buffer_s: list[float] = []  # per group buffered since the last batch
         self.workflow = workflow or load_workflow(cfg.rollout.workflow, cfg.rollout)
         assert isinstance(self.workflow, Workflow), "workflows subclass areal.workflow.Workflow"
         self.episodes = EpisodeRunner(self.workflow, cfg.rollout.episode_timeout_s)
@@ -146,11 +147,12 @@ class Controller:
             start_version = self.gate.on_rollout_submitted()
             group_id = self.buffer.reserve(start_version)
             row = self.draws.next()
-        return asyncio.create_task(self._run_group(group_id, row, start_version))
+        t_admit = time.monotonic()
+        return asyncio.create_task(self._run_group(group_id, row, start_version, t_admit))
 
     async def _run_group(
-        self, group_id: int, row: dict, start_version: int
-    ) -> list[Trajectory] | None:
+        self, group_id: int, row: dict, start_version: int, t_admit: float = 0.0
+    ) -> list[Trajectory | TrajectoryRef] | None:
         engine = RolloutEngine(
             tokenizer=self.tokenizer,
             group_size=self.cfg.rollout.group_size,
@@ -202,6 +204,7 @@ class Controller:
                 self.gate.on_rollout_accepted()
                 self.failures.accepted()
                 self.buffer.put(group_id, trajs)
+                self._admit_to_buffer_s.append(time.monotonic() - t_admit)
             self.changed.notify_all()
         return trajs
 
@@ -285,6 +288,10 @@ class Controller:
             pool_stats["rollout/reward_mean"] = reward_sum / n_rewards
         moved = self.bytes_moved()
         moved, self._bytes_moved = moved - self._bytes_moved, moved
+        waits, self._admit_to_buffer_s = sorted(self._admit_to_buffer_s), []
+        if waits:  # from the gate's admission to the buffer: generation, grading, queueing
+            pool_stats["rollout/admit_to_buffer_p50_s"] = waits[len(waits) // 2]
+            pool_stats["rollout/admit_to_buffer_p99_s"] = waits[int(0.99 * (len(waits) - 1))]
         return {
             **pool_stats,
             # Every frame in or out of the controller since the last batch (the data plane's
