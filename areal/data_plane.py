@@ -58,7 +58,9 @@ class TrajectoryStore:
         """The holder's role and index, as its log is named (rollout3)."""
         self.address = address
         """Its RPC server's address (set once the server is bound)."""
-        self._held: dict[str, dict[str, Trajectory]] = {}  # call -> id -> trajectory
+        # call -> id -> the trajectory's wire form: numpy arrays, 13 bytes a token, where
+        # Python lists of ints and floats take ~100 (and are what the GC would walk).
+        self._held: dict[str, dict[str, dict]] = {}
         self._calls = itertools.count()
 
     def hold(self, trajs: Sequence[Trajectory], call_id: str = "") -> list[TrajectoryRef]:
@@ -68,14 +70,14 @@ class TrajectoryStore:
         refs = []
         for t in trajs:
             traj_id = f"{call_id}.{len(held)}"
-            held[traj_id] = t
+            held[traj_id] = t.to_wire()
             refs.append(TrajectoryRef.of(t, traj_id, self.address, self.name))
         return refs
 
     def __len__(self) -> int:
         return sum(len(h) for h in self._held.values())
 
-    def _find(self, traj_id: str) -> Trajectory | None:
+    def _find(self, traj_id: str) -> dict | None:
         return self._held.get(traj_id.rsplit(".", 1)[0], {}).get(traj_id)
 
     async def fetch(self, ids: list[str]) -> list[dict]:
@@ -86,7 +88,7 @@ class TrajectoryStore:
                 f"{self.name} holds no trajectory {missing[:3]} ({len(missing)} missing): "
                 "released already, or made by an earlier attempt of the run"
             )
-        return [self._find(i).to_wire() for i in ids]
+        return [self._find(i) for i in ids]
 
     async def release(self, ids: list[str]) -> dict:
         """Drop `ids` (trained on, or dropped by the controller)."""

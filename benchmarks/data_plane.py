@@ -1,6 +1,6 @@
 """The data plane under load: relay (the old path) against pull (AReaL v0.5), in one run.
 
-    python benchmarks/data_plane.py [--steps 12] [--batch 8] [--group 8] [--servers 2]
+    python benchmarks/data_plane.py [--steps 10] [--batch 8] [--group 8] [--servers 2]
         [--ranks 2] [--mean-tokens 8000] [--tokens-per-s 100000] [--modes relay,pull]
 
 Per mode, real processes on loopback: --servers fake inference servers speaking SGLang's
@@ -263,7 +263,7 @@ def report(results: list[dict]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="answers per prompt")
     p.add_argument("--servers", type=int, default=2)

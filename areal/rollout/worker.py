@@ -168,7 +168,8 @@ class RolloutWorker:
             )
         done = [t for t in trajs if t.finish_reason]
         if done:
-            texts = [self.tokenizer.decode(t.output_ids, skip_special_tokens=True) for t in done]
+            ids = [t.output_ids for t in done]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
             rewards = await self.reward.call(
                 "grade", task=grade["task"], responses=texts, answer=grade["answer"]
             )
