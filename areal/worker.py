@@ -39,17 +39,16 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
 
     registry = Registry(cfg.exp_dir)
     timeout = cfg.inference.startup_timeout_s
-    url = registry.lookup("server", index, timeout=timeout)
     store = tokenizer = reward = None
     if cfg.rollout.data_plane == "pull":  # it decodes, grades and holds its trajectories
-        from transformers import AutoTokenizer
-
         from areal.comm.rpc import RpcClient
         from areal.data_plane import TrajectoryStore
 
         store = TrajectoryStore(f"rollout{index}")
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        # Loaded (transformers imported) on a thread while the server starts.
+        tokenizer = asyncio.get_running_loop().run_in_executor(None, _tokenizer, cfg.model.path)
         reward = RpcClient(registry.lookup("reward", 0, timeout=timeout + 60), key)
+    url = registry.lookup("server", index, timeout=timeout)
     fatal: list[Exception] = []  # recovery gave up on the server: this process ends with it
     worker = RolloutWorker(
         url,
@@ -64,13 +63,14 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
         on_fatal=lambda e: (fatal.append(e), server.close()),
         api_key=api_key(cfg.exp_dir),
         store=store,
-        tokenizer=tokenizer,
         reward=reward,
     )
     # On failure: the server's command line and the tail of logs/server{index}.log.
     await wait_for_server(
         worker.client, cfg.inference.startup_timeout_s, server_log_path(cfg.exp_dir, index)
     )
+    if tokenizer is not None:
+        worker.tokenizer = await tokenizer
     adapter = start_adapter(cfg)
     if adapter is not None:  # a resumed LoRA run: the server started from the base
         await worker.update_weights(*adapter)
@@ -90,6 +90,12 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
             reward.close()
     if fatal:
         raise fatal[0]
+
+
+def _tokenizer(path: str) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 async def _reward(cfg: ExperimentConfig, index: int, key: bytes) -> None:
