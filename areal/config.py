@@ -199,6 +199,8 @@ class RolloutConfig(Section):
     """Seconds of rejected episodes without an accepted one that stop the run likewise (0 = never)."""  # noqa: E501
     agent_processes: int = 1
     """Processes that run agents' run(data, client), off the controller's loop: each runs its async episodes on one event loop, plain-function agents on threads (areal/workflow/agent_host.py); 0 = on the controller's loop."""  # noqa: E501
+    data_plane: str = "pull"
+    """How a batch's tensors reach the trainer ranks: pull (AReaL v0.5: the controller passes metadata only; each rollout worker holds the trajectories it made, and each trainer rank fetches its own share from them) or relay (every trajectory travels through the controller, whole, to trainer rank 0, which broadcasts it to every rank); areal/data_plane.py."""  # noqa: E501
     tool_parser: str = "qwen"
     """Agents' tool calls: how the model's text becomes OpenAI tool_calls, "qwen" (the tool_call tags of Qwen2/2.5/3 and Hermes) or your own "package.module:function" (areal/workflow/tool_parsers.py)."""  # noqa: E501
 
@@ -209,6 +211,7 @@ class RolloutConfig(Section):
         self._positive("max_turns", "episode_timeout_s")
         self._non_negative("max_consecutive_failures", "failure_window_s", "agent_processes")
         self._one_of("sample_mode", ("individual", "concat"))
+        self._one_of("data_plane", ("pull", "relay"))
         if not 0 <= self.turn_discount <= 1:
             self._fail("turn_discount", f"must be in [0, 1], got {self.turn_discount!r}")
         if not re.fullmatch(r"[\w.]+:[\w.]+", self.workflow):

@@ -63,6 +63,7 @@ KINDS = {
     "load": "loading weights",
     "decode": "decode steps (a window)",
     "wait_batch": "waiting for a batch",
+    "pull": "fetching its share of the batch from the holders (the pull data plane)",
     "proximal": "proximal log-prob pass",
     "reference": "reference policy pass (KL)",
     "update": "PPO minibatch update",

@@ -158,7 +158,8 @@ async def _start_roles(
         for k, w in enumerate(workers)
     ]
     reward_rpc = InProcessRpc({"grade": reward.grade, "stats": reward.stats}, "reward0")
-    controller = Controller(cfg, rows, tokenizer, worker_rpcs, reward_rpc)
+    # One process: every object shares the tokens already, there is nothing to pull.
+    controller = Controller(cfg, rows, tokenizer, worker_rpcs, reward_rpc, data_plane="relay")
     if resume_from is not None:
         controller.load_state_dict(
             unpack(resume_from.controller_state.read_bytes()), resume_from.version

@@ -48,6 +48,23 @@ class Trajectory:
         """Output tokens the model generated (the ones the loss counts)."""
         return sum(self.loss_mask) if self.loss_mask else len(self.output_ids)
 
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def n_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def version_min(self) -> int:
+        """The oldest version among its tokens (-1: no tokens)."""
+        return min(self.versions, default=-1)
+
+    @property
+    def version_max(self) -> int:
+        return max(self.versions, default=-1)
+
     def extend(self, ids: list[int], logprobs: list[float], version: int) -> None:
         """Append a generated segment produced by one policy version."""
         assert len(ids) == len(logprobs)
@@ -73,3 +90,65 @@ class Trajectory:
             if k in d:  # loss_mask: absent from checkpoints written before it existed
                 d[k] = np.asarray(d[k]).tolist()
         return cls(**d)
+
+
+@dataclass
+class TrajectoryRef:
+    """A trajectory by reference (the data plane, areal/data_plane.py): what the controller
+    and every trainer rank know of it, while its tokens stay with its holder, the process
+    that made it, until the trainer rank that trains on it fetches them.
+
+    Has the attributes of a Trajectory that need no tokens, under the same names."""
+
+    traj_id: str
+    """Its key in the holder's store."""
+    holder: str
+    """The address of the holder's RPC server."""
+    holder_name: str
+    """The holder's role, as its log is named (rollout3: logs/rollout3.log)."""
+    group_id: int
+    n_prompt: int
+    n_output: int
+    n_generated: int
+    version_min: int
+    version_max: int
+    finish_reason: str = ""
+    reward: float = 0.0
+    start_version: int = 0
+    n_interrupts: int = 0
+    t_start: float = 0.0
+    t_end: float = 0.0
+    draw_id: int = -1
+
+    @classmethod
+    def of(cls, t: Trajectory, traj_id: str, holder: str, holder_name: str) -> TrajectoryRef:
+        """The reference to `t`, held by `holder` under `traj_id`."""
+        return cls(
+            traj_id=traj_id, holder=holder, holder_name=holder_name, group_id=t.group_id,
+            n_prompt=t.n_prompt, n_output=t.n_output, n_generated=t.n_generated,
+            version_min=t.version_min, version_max=t.version_max,
+            finish_reason=t.finish_reason, reward=t.reward, start_version=t.start_version,
+            n_interrupts=t.n_interrupts, t_start=t.t_start, t_end=t.t_end, draw_id=t.draw_id,
+        )  # fmt: skip
+
+    def to_wire(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> TrajectoryRef:
+        return cls(**d)
+
+    def resolve(self, tokens: Trajectory) -> Trajectory:
+        """The whole trajectory: the holder's tokens, with what the controller knows of it
+        (reward, group, draw: the controller's word is final)."""
+        assert (tokens.n_prompt, tokens.n_output) == (self.n_prompt, self.n_output), (
+            f"{self.holder_name} returned trajectory {self.traj_id} with other lengths"
+        )
+        tokens.group_id, tokens.reward, tokens.draw_id = self.group_id, self.reward, self.draw_id
+        tokens.start_version, tokens.finish_reason = self.start_version, self.finish_reason
+        return tokens
+
+
+def is_ref(d: dict) -> bool:
+    """Whether a wire dict is a TrajectoryRef's (else a Trajectory's)."""
+    return "traj_id" in d

@@ -39,6 +39,15 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
 
     registry = Registry(cfg.exp_dir)
     timeout = cfg.inference.startup_timeout_s
+    store = tokenizer = reward = None
+    if cfg.rollout.data_plane == "pull":  # it decodes, grades and holds its trajectories
+        from areal.comm.rpc import RpcClient
+        from areal.data_plane import TrajectoryStore
+
+        store = TrajectoryStore(f"rollout{index}")
+        # Loaded (transformers imported) on a thread while the server starts.
+        tokenizer = asyncio.get_running_loop().run_in_executor(None, _tokenizer, cfg.model.path)
+        reward = RpcClient(registry.lookup("reward", 0, timeout=timeout + 60), key)
     url = registry.lookup("server", index, timeout=timeout)
     fatal: list[Exception] = []  # recovery gave up on the server: this process ends with it
     worker = RolloutWorker(
@@ -53,24 +62,40 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
         + cfg.inference.update_timeout_s * cfg.inference.update_retries,
         on_fatal=lambda e: (fatal.append(e), server.close()),
         api_key=api_key(cfg.exp_dir),
+        store=store,
+        reward=reward,
     )
     # On failure: the server's command line and the tail of logs/server{index}.log.
     await wait_for_server(
         worker.client, cfg.inference.startup_timeout_s, server_log_path(cfg.exp_dir, index)
     )
+    if tokenizer is not None:
+        worker.tokenizer = await tokenizer
     adapter = start_adapter(cfg)
     if adapter is not None:  # a resumed LoRA run: the server started from the base
         await worker.update_weights(*adapter)
     server = RpcServer(key)
     for name in RolloutWorker.RPC_METHODS:
         server.register(name, getattr(worker, name))
+    if store is not None:
+        store.address = server.address
+        for name in store.RPC_METHODS:
+            server.register(name, getattr(store, name))
     registry.register("rollout", index, server.address)
     try:
         await _serve_until_stopped(server)
     finally:
         await worker.client.close()
+        if reward is not None:
+            reward.close()
     if fatal:
         raise fatal[0]
+
+
+def _tokenizer(path: str) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 async def _reward(cfg: ExperimentConfig, index: int, key: bytes) -> None:

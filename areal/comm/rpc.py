@@ -67,10 +67,20 @@ class _Endpoint:
 
     def __init__(self, key: bytes) -> None:
         self.dropped = 0
+        self.bytes_in = 0
+        """Bytes of the frames received, HMAC included (the data plane's accounting)."""
+        self.bytes_out = 0
+        """Bytes of the frames sent."""
         self._key = key
+
+    def _seal(self, obj: Any) -> list[bytes]:
+        frames = wire.seal(obj, self._key)
+        self.bytes_out += sum(len(f) for f in frames)
+        return frames
 
     def _open(self, frames: list[bytes], fields: dict[str, type], peer: str) -> dict | None:
         """The message in frames, or None (logged and counted) if it fails unseal or its form."""
+        self.bytes_in += sum(len(f) for f in frames)
         try:
             msg = wire.unseal(frames, self._key)
             if not isinstance(msg, dict) or any(
@@ -135,10 +145,10 @@ class RpcServer(_Endpoint):
                 log.warning("rpc handler %r failed", method, exc_info=True)
                 reply["error"] = f"{type(e).__name__}: {e}"
         try:
-            frames = wire.seal(reply, self._key)
+            frames = self._seal(reply)
         except wire.WireError as e:  # a result that cannot travel is the handler's bug
             reply.update(ok=False, result=None, error=f"{method!r} returned an unsendable {e}")
-            frames = wire.seal(reply, self._key)
+            frames = self._seal(reply)
         if not self._closed:
             await self._sock.send_multipart([peer, *frames])
 
@@ -174,7 +184,7 @@ class RpcClient(_Endpoint):
         self._pending[rid] = future = asyncio.get_running_loop().create_future()
         try:
             request = {"id": rid, "method": method, "args": args}
-            await self._sock.send_multipart(wire.seal(request, self._key))
+            await self._sock.send_multipart(self._seal(request))
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             msg = f"no reply to {method!r} from {self.address} within {timeout:g} s"
@@ -243,7 +253,7 @@ class SyncRpcClient(_Endpoint):
     def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
         """Run `method(**args)` on the server and return its result."""
         rid = next(self._ids)
-        self._sock.send_multipart(wire.seal({"id": rid, "method": method, "args": args}, self._key))
+        self._sock.send_multipart(self._seal({"id": rid, "method": method, "args": args}))
         deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
         while True:
             left_s = deadline - time.monotonic()

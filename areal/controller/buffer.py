@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from areal.trajectory import Trajectory
+from areal.trajectory import Trajectory, TrajectoryRef
 
 
 @dataclass
 class _Slot:
     start_version: int
-    group: list[Trajectory] | None = None
+    group: list[Trajectory | TrajectoryRef] | None = None
     """None while the group is still generating."""
 
 
@@ -38,7 +38,7 @@ class ReplayBuffer:
         self._slots[group_id] = _Slot(start_version)
         return group_id
 
-    def put(self, group_id: int, group: list[Trajectory]) -> None:
+    def put(self, group_id: int, group: list[Trajectory | TrajectoryRef]) -> None:
         """The group finished generating and was graded."""
         assert self._slots[group_id].group is None, "a group was put twice"
         self._slots[group_id].group = group
@@ -57,7 +57,7 @@ class ReplayBuffer:
 
     def take(
         self, version: int, batch_size: int, max_staleness: int
-    ) -> list[list[Trajectory]] | None:
+    ) -> list[list[Trajectory | TrajectoryRef]] | None:
         """The batch for trainer version `version`, or None if it must wait.
 
         Returned groups leave the buffer, in start order.
@@ -78,8 +78,12 @@ class ReplayBuffer:
         return [self._slots.pop(i).group for i in sorted(chosen)]
 
     def state_dict(self) -> dict:
-        """Ready groups only: groups in flight at a checkpoint are generated again."""
+        """Ready groups only: groups in flight at a checkpoint are generated again, and so
+        are ready groups held elsewhere (references: their holders stop with the run), whose
+        draws are listed under "held_draw_ids"."""
+        held = {i for i, s in self._slots.items() if s.group and _by_reference(s.group)}
         return {
+            "held_draw_ids": sorted(self._slots[i].group[0].draw_id for i in held),
             "next_group_id": self._next_group_id,  # never reused, resumes included
             "groups": [
                 {
@@ -88,7 +92,7 @@ class ReplayBuffer:
                     "group": [t.to_wire() for t in s.group],
                 }
                 for i, s in sorted(self._slots.items())
-                if s.group is not None
+                if s.group is not None and i not in held
             ],
         }
 
@@ -101,3 +105,7 @@ class ReplayBuffer:
             self._slots[group_id] = _Slot(g["start_version"], group)
         saved = state.get("next_group_id", state.get("next_index", 0))
         self._next_group_id = max(saved, max(self._slots, default=-1) + 1)
+
+
+def _by_reference(group: list[Trajectory | TrajectoryRef]) -> bool:
+    return any(isinstance(t, TrajectoryRef) for t in group)

@@ -14,6 +14,12 @@
 | get_batch(i)    | a batch the buffer may hand out at i        | a finished group             |
 | weight update   | the pool: every worker to load version i    | their replies                |
 
+The data plane (rollout.data_plane, areal/data_plane.py): with pull (the default) the
+single-turn episode generates and grades on the rollout worker, which keeps the tokens;
+the gate, the buffer, dynamic sampling and the stats see TrajectoryRefs (metadata), and
+get_batch hands out references that each trainer rank resolves for its own share. With
+relay every trajectory comes here whole and goes whole to trainer rank 0.
+
 The episode is pluggable (rollout.workflow, areal/workflow/): the default samples G
 single-turn responses and grades them; an agent's episodes call the model through an
 OpenAI-compatible endpoint. One admitted row is one group, which the gate counts once
@@ -23,7 +29,8 @@ its row is drawn again. Routing, failover and the weight fan-out are the pool's 
 Everything runs on one asyncio loop, so the gate, the buffer and the draws need no lock:
 their state changes only between awaits, and `changed` wakes whoever waits on them. The
 checkpoint state is theirs: the dataset position with the draws to generate again, and
-the buffer's ready groups.
+the buffer's ready groups; groups held by rollout workers are not in it (their holders
+die with the run): their draws are drawn again.
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ from areal.controller.draws import Draws
 from areal.controller.failures import FailureWatch, NoProgress
 from areal.controller.pool import WorkerPool
 from areal.controller.staleness import StalenessGate
+from areal.data_plane import TrajectoryStore
 from areal.process import RESTARTS_ENV
-from areal.trajectory import Trajectory
+from areal.trajectory import Trajectory, TrajectoryRef
 from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, Workflow, load_workflow
 
 if TYPE_CHECKING:
@@ -66,8 +74,19 @@ class Controller:
         workers: list[RpcClient],
         reward: RpcClient | None,
         workflow: Workflow | None = None,
+        data_plane: str | None = None,
     ):
         self.cfg = cfg
+        self.data_plane = data_plane or cfg.rollout.data_plane
+        """pull | relay (rollout.data_plane; the inline run passes relay: one process)."""
+        self.store = TrajectoryStore("controller0")
+        """With pull: the holder of trajectories made here (agents), from get_batch on;
+        run_controller sets its address."""
+        self._handed_out: list[TrajectoryRef] = []  # the last batch, released at the next
+        self.server: RpcServer | None = None
+        """Its RPC server (run_controller's), for the bytes it moved."""
+        self._bytes_moved = 0
+        self._admit_to_buffer_s: list[float] = []  # per group buffered since the last batch
         self.workflow = workflow or load_workflow(cfg.rollout.workflow, cfg.rollout)
         assert isinstance(self.workflow, Workflow), "workflows subclass areal.workflow.Workflow"
         self.episodes = EpisodeRunner(self.workflow, cfg.rollout.episode_timeout_s)
@@ -128,11 +147,12 @@ class Controller:
             start_version = self.gate.on_rollout_submitted()
             group_id = self.buffer.reserve(start_version)
             row = self.draws.next()
-        return asyncio.create_task(self._run_group(group_id, row, start_version))
+        t_admit = time.monotonic()
+        return asyncio.create_task(self._run_group(group_id, row, start_version, t_admit))
 
     async def _run_group(
-        self, group_id: int, row: dict, start_version: int
-    ) -> list[Trajectory] | None:
+        self, group_id: int, row: dict, start_version: int, t_admit: float = 0.0
+    ) -> list[Trajectory | TrajectoryRef] | None:
         engine = RolloutEngine(
             tokenizer=self.tokenizer,
             group_size=self.cfg.rollout.group_size,
@@ -141,6 +161,11 @@ class Controller:
             start_version=start_version,
             generate_fn=functools.partial(self.pool.generate, group_id, start_version),
             grade_fn=self._grade,
+            generate_graded_fn=(
+                functools.partial(self.pool.generate, group_id, start_version)
+                if self.data_plane == "pull"
+                else None
+            ),
         )
         failed = dropped = False
         try:
@@ -162,6 +187,8 @@ class Controller:
         async with self.changed:
             # In one step with the buffer, so a checkpoint sees the row in exactly one place.
             if trajs is None or dropped:  # failed, declined by the workflow, or dropped
+                if trajs:
+                    self.pool.release([t for t in trajs if isinstance(t, TrajectoryRef)])
                 self.gate.on_rollout_rejected()
                 self.buffer.discard(group_id)
                 if failed:
@@ -177,6 +204,7 @@ class Controller:
                 self.gate.on_rollout_accepted()
                 self.failures.accepted()
                 self.buffer.put(group_id, trajs)
+                self._admit_to_buffer_s.append(time.monotonic() - t_admit)
             self.changed.notify_all()
         return trajs
 
@@ -208,7 +236,9 @@ class Controller:
 
     # ---- trainer-facing RPCs ---------------------------------------------------------
     async def get_batch(self, version: int) -> dict:
-        """The training batch for trainer version `version`, waiting until one may be had."""
+        """The training batch for trainer version `version`, waiting until one may be had:
+        whole trajectories (relay), or references to them (pull). With pull, the batch
+        handed out before this one has been trained on: its holders may drop it."""
         batch = None
 
         def ready() -> bool:
@@ -222,12 +252,28 @@ class Controller:
         trajs = [t for group in batch for t in group]
         stats = await self._stats()
         # Samples whose tokens came from more than one policy version (interrupted by updates).
-        stats["rollout/multi_version_samples"] = sum(len(set(t.versions)) > 1 for t in trajs)
+        stats["rollout/multi_version_samples"] = sum(t.version_min != t.version_max for t in trajs)
         # What was trained, by identity: a resumed or recovered run trains each draw once.
         stats["batch/group_ids"] = [g[0].group_id for g in batch]
         stats["batch/draw_ids"] = [g[0].draw_id for g in batch]
         stats["recover/restarts"] = self.restarts
+        if self.data_plane == "pull":
+            self._release(self._handed_out)
+            # Made here (agents): from now on held here, fetched like any other.
+            made_here = [t for t in trajs if isinstance(t, Trajectory)]
+            held = iter(self.store.hold(made_here))
+            trajs = [next(held) if isinstance(t, Trajectory) else t for t in trajs]
+            self._handed_out = trajs
         return {"trajectories": [t.to_wire() for t in trajs], "stats": stats}
+
+    def bytes_moved(self) -> int:
+        """Bytes of the frames the controller has sent and received over RPC."""
+        ends = [*self.pool.workers, self.reward, self.server]
+        return sum(getattr(e, "bytes_in", 0) + getattr(e, "bytes_out", 0) for e in ends)
+
+    def _release(self, refs: list[TrajectoryRef]) -> None:
+        self.store.release_now([r.traj_id for r in refs if r.holder == self.store.address])
+        self.pool.release([r for r in refs if r.holder != self.store.address])
 
     async def _stats(self) -> dict:
         now = time.time()
@@ -240,8 +286,17 @@ class Controller:
         if n_rewards:  # every group finished since the last batch, dropped ones too (the
             # trained batch's reward/mean is what dynamic sampling kept)
             pool_stats["rollout/reward_mean"] = reward_sum / n_rewards
+        moved = self.bytes_moved()
+        moved, self._bytes_moved = moved - self._bytes_moved, moved
+        waits, self._admit_to_buffer_s = sorted(self._admit_to_buffer_s), []
+        if waits:  # from the gate's admission to the buffer: generation, grading, queueing
+            pool_stats["rollout/admit_to_buffer_p50_s"] = waits[len(waits) // 2]
+            pool_stats["rollout/admit_to_buffer_p99_s"] = waits[int(0.99 * (len(waits) - 1))]
         return {
             **pool_stats,
+            # Every frame in or out of the controller since the last batch (the data plane's
+            # yardstick: with pull, a small share of the batch's bytes).
+            "data/controller_bytes": moved,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/groups_in_flight": self.buffer.n_in_flight,
             "rollout/groups_ready": len(self.buffer),
@@ -270,8 +325,12 @@ class Controller:
 
     # ---- checkpoint state -------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a resumed run needs: groups in flight are generated again from their rows."""
-        return {**self.draws.state_dict(), "buffer": self.buffer.state_dict()}
+        """What a resumed run needs: groups in flight, and ready groups whose tokens a
+        rollout worker holds (lost with it when the run stops), are generated again from
+        their rows."""
+        state = {**self.draws.state_dict(), "buffer": self.buffer.state_dict()}
+        state["retry"] += [self.draws.row(d) for d in state["buffer"].pop("held_draw_ids")]
+        return state
 
     def load_state_dict(self, state: dict, version: int) -> None:
         self.draws.load_state_dict(state)
@@ -318,6 +377,10 @@ async def run_controller(
     server.register("get_batch", controller.get_batch)
     server.register("weights_ready", controller.weights_ready)
     server.register("save_state", controller.save_state)
+    controller.server = server
+    controller.store.address = server.address
+    for name in controller.store.RPC_METHODS:
+        server.register(name, getattr(controller.store, name))
     serve = asyncio.create_task(server.serve())
     registry.register("controller", 0, server.address)
     admit = asyncio.create_task(controller.admit_loop())

@@ -49,6 +49,12 @@ class Draws:
         self.out[row["draw_id"]] = row
         return row
 
+    def row(self, draw_id: int) -> dict:
+        """The row of draw `draw_id`, as next() gave it (each epoch's order is seeded)."""
+        epoch, pos = divmod(draw_id, len(self.rows))
+        order = self._order if epoch == self.epoch else self._epoch_order(epoch)
+        return {**self.rows[order[pos]], "draw_id": draw_id}
+
     def used(self, row: dict) -> None:
         """Its group is in the buffer, or its episode declined it: never drawn again."""
         del self.out[row["draw_id"]]

@@ -32,7 +32,7 @@ from pathlib import Path
 from areal import events, rolelog
 from areal.comm.rpc import RpcClient
 from areal.controller.router import Router
-from areal.trajectory import Trajectory
+from areal.trajectory import Trajectory, TrajectoryRef, is_ref
 from areal.weights import retire_older_than
 
 log = logging.getLogger("areal.controller")
@@ -49,13 +49,23 @@ class WorkerPool:
         """Notified when a worker comes back."""
         self._watchers: dict[int, asyncio.Task] = {}  # dead worker -> waiting for it to be back
         self._resubmitted = 0  # samples resumed on another worker, since the last stats()
+        self._by_address = {getattr(w, "address", None): w for w in workers}
 
     async def generate(
-        self, group_id: int, start_version: int, prompt_ids: list[int], n: int, sampling: dict
-    ) -> list[Trajectory]:
+        self,
+        group_id: int,
+        start_version: int,
+        prompt_ids: list[int],
+        n: int,
+        sampling: dict,
+        grade: dict | None = None,
+    ) -> list[Trajectory | TrajectoryRef]:
         """n finished trajectories continuing prompt_ids, on one worker; samples a dead
-        server left unfinished are resumed, with their partial output, on another."""
-        done: list[Trajectory] = []
+        server left unfinished are resumed, with their partial output, on another.
+
+        grade {"task", "answer"} (the pull data plane): each worker grades and keeps the
+        samples it finished; they come back as references to it."""
+        done: list[Trajectory | TrajectoryRef] = []
         partial: list[dict] | None = None  # None: nothing generated yet
         k = None
         while True:
@@ -74,6 +84,7 @@ class WorkerPool:
                     start_version=start_version,
                     partial=partial,
                     call_id=call_id,
+                    **({} if grade is None else {"grade": grade}),
                 )
             except asyncio.CancelledError:
                 # Nobody will read these samples: free the server's slots for work that counts.
@@ -82,7 +93,8 @@ class WorkerPool:
                 raise
             finally:
                 self.router.load[k] -= 1
-            trajs = [Trajectory.from_wire(w) for w in wire]
+            done += [TrajectoryRef.from_wire(w) for w in wire if is_ref(w)]
+            trajs = [Trajectory.from_wire(w) for w in wire if not is_ref(w)]
             done += [t for t in trajs if t.finish_reason]
             partial = [t.to_wire() for t in trajs if not t.finish_reason]
             if not partial:
@@ -123,6 +135,16 @@ class WorkerPool:
             "rollout/server_version_min": min(serving, default=-1),
             "rollout/resubmitted": resubmitted,
         }
+
+    def release(self, refs: list[TrajectoryRef]) -> None:
+        """Tell the workers holding refs to drop them (not waited for)."""
+        ids: dict[str, list[str]] = {}
+        for r in refs:
+            ids.setdefault(r.holder, []).append(r.traj_id)
+        for address, traj_ids in ids.items():
+            worker = self._by_address.get(address)
+            if worker is not None:  # else a holder of an earlier attempt: gone with it
+                worker.call_soon("release", _ABANDON_TIMEOUT_S, ids=traj_ids)
 
     def close(self) -> None:
         """Stop waiting for dead workers (the run ends)."""

@@ -29,6 +29,7 @@ COLORS = {
     "pause": "#bdbdbd",
     "load": "#fb8c00",
     "wait_batch": "#e57373",
+    "pull": "#f06292",
     "proximal": "#64b5f6",
     "reference": "#9575cd",
     "update": "#1e40af",

@@ -6,6 +6,8 @@
                                                      abort_all_requests)--> client --> server
     controller --wait_ready------------->  (answers once a dead server is back, on the latest v)
     controller --abandon(call_id)-------> worker --abort_request(rid) per request of that call
+    trainer ranks --fetch(ids)----------> worker's TrajectoryStore (the pull data plane:
+    controller --release(ids)-----------> the trajectories it graded and holds; data_plane.py)
 
 client: the worker's InferenceClient (areal/rollout/inference.py), made by the client factory
 of inference.backend (areal/rollout/backends/: SGLangClient for SGLang and for the embedded
@@ -45,6 +47,8 @@ import uuid
 from collections.abc import Callable
 
 from areal import rolelog
+from areal.comm.rpc import RpcClient
+from areal.data_plane import TrajectoryStore
 from areal.rollout.backends import load_backend
 from areal.rollout.inference import ClientFactory, InferenceClient, ServerDied
 from areal.trajectory import Trajectory
@@ -61,7 +65,8 @@ class ServerDown(Exception):
 
 class RolloutWorker:
     RPC_METHODS: tuple[str, ...] = ("generate", "update_weights", "stats", "wait_ready", "abandon")
-    """The methods the controller calls over RPC, each served under its own name."""
+    """The methods the controller calls over RPC, each served under its own name (and the
+    store's, TrajectoryStore.RPC_METHODS, with the pull data plane)."""
 
     def __init__(
         self,
@@ -75,8 +80,16 @@ class RolloutWorker:
         recovery_timeout_s: float = 900.0,
         on_fatal: Callable[[Exception], None] | None = None,
         api_key: str | None = None,
+        store: TrajectoryStore | None = None,
+        tokenizer: object | None = None,
+        reward: RpcClient | None = None,
     ):
         self.api_key = api_key
+        self.store = store
+        """The pull data plane: graded trajectories stay here for the trainer ranks."""
+        self.tokenizer = tokenizer
+        self.reward = reward
+        """With the store: the decode and the reward service for generate(grade=...)."""
         self.client_factory = client_factory or load_backend("embedded").client()
         """Makes the client of a server URL: the client of inference.backend's backend."""
         self.client: InferenceClient = self.client_factory(server_url, api_key=api_key)
@@ -118,10 +131,14 @@ class RolloutWorker:
         start_version: int,
         partial: list[dict] | None = None,
         call_id: str = "",
+        grade: dict | None = None,
     ) -> list[dict]:
         """Sample n responses to one prompt, or continue the `partial` ones (which another
         server left unfinished); returns trajectories in wire form, unfinished ones
-        (finish_reason "") when the server went down. call_id names the call for abandon()."""
+        (finish_reason "") when the server went down. call_id names the call for abandon().
+
+        grade {"task", "answer"} (the pull data plane): the finished ones are decoded,
+        graded by the reward service and held here; they come back as TrajectoryRefs."""
         if partial is not None:
             trajs = [Trajectory.from_wire(w) for w in partial]
         else:
@@ -134,16 +151,42 @@ class RolloutWorker:
         self._calls[call_id] = []
         try:
             await self._sample(trajs, sampling_params, call_id)
+            if grade is not None:
+                return await self._grade_and_hold(trajs, grade, call_id)
         finally:
             del self._calls[call_id]
             self._abandoned.discard(call_id)
         return [t.to_wire() for t in trajs]
 
+    async def _grade_and_hold(self, trajs: list[Trajectory], grade: dict, call_id: str) -> list:
+        """The single-turn episode's grading, where the tokens are: graded on text, trained
+        on the recorded tokens (as SingleTurnWorkflow does on the controller with relay)."""
+        if self.store is None or self.tokenizer is None or self.reward is None:
+            raise RuntimeError(
+                "generate(grade=...) needs the pull data plane's store, tokenizer and reward "
+                "service (rollout.data_plane=pull)"
+            )
+        done = [t for t in trajs if t.finish_reason]
+        if done:
+            ids = [t.output_ids for t in done]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            rewards = await self.reward.call(
+                "grade", task=grade["task"], responses=texts, answer=grade["answer"]
+            )
+            for t, r in zip(done, rewards, strict=True):
+                t.reward = r
+        if call_id in self._abandoned:
+            return []  # nobody waits for them
+        refs = self.store.hold(done, call_id)
+        return [r.to_wire() for r in refs] + [t.to_wire() for t in trajs if not t.finish_reason]
+
     async def abandon(self, call_id: str) -> dict:
         """Abort the requests of generate(call_id) on the server, and resume none of them:
         nobody waits for them. {"aborted": how many requests were in flight}."""
         rids = self._calls.get(call_id)
-        if rids is None:  # finished already (or never came)
+        if rids is None:  # finished already (or never came): drop what it holds, if any
+            if self.store is not None:
+                self.store.drop_call(call_id)
             return {"aborted": 0}
         self._abandoned.add(call_id)
         for rid in rids:

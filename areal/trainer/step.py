@@ -32,7 +32,7 @@ from areal.trainer import ppo as objective
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.micro_batches import allocate_micro_batches
 from areal.trainer.parallel import DataParallel
-from areal.trajectory import Trajectory
+from areal.trajectory import Trajectory, TrajectoryRef
 
 
 def _token_tensors(trajs: Sequence[Trajectory]):
@@ -148,10 +148,10 @@ def _equal_micro_batches(
 
 
 def _shaped_rewards(
-    trajs: Sequence[Trajectory],
+    trajs: Sequence[Trajectory | TrajectoryRef],
     rewards: torch.Tensor,
     truncated: torch.Tensor,
-    tokens: list[dict],
+    tokens: dict[int, dict],
     mine: list[int],
     ppo: PPOConfig,
     dp: DataParallel,
@@ -162,7 +162,7 @@ def _shaped_rewards(
     tokens; each rank fills in its own samples and the sum over ranks the rest."""
     shaped = objective.shape_rewards(
         rewards,
-        torch.tensor([len(t.output_ids) for t in trajs]),
+        torch.tensor([t.n_output for t in trajs]),
         truncated,
         ppo,
         max_new_tokens=max_new_tokens,
@@ -177,7 +177,7 @@ def _shaped_rewards(
     return shaped
 
 
-def _m2po_mask(tokens: list[dict], mine: list[int], tau: float, dp: DataParallel) -> int:
+def _m2po_mask(tokens: dict[int, dict], mine: list[int], tau: float, dp: DataParallel) -> int:
     """M2PO's cut over the valid tokens of the whole batch (every rank's, gathered), applied
     to this rank's; returns how many of its tokens it masked."""
     m2 = {i: (tokens[i]["prox"] - tokens[i]["behav"]).double() ** 2 for i in mine}
@@ -193,9 +193,23 @@ def _m2po_mask(tokens: list[dict], mine: list[int], tau: float, dp: DataParallel
     return n_masked
 
 
+def batch_split(
+    seqlens: Sequence[int], n_minibatches: int, seed: int, dp: DataParallel
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """The minibatches (over a fixed shuffle of the batch), this rank's token-balanced share
+    of each, and all of this rank's sequences. A function of the lengths alone, so a rank
+    knows which trajectories to fetch before it holds any (areal/data_plane.py)."""
+    order = list(range(len(seqlens)))
+    random.Random(seed).shuffle(order)
+    minibatches = [order[k::n_minibatches] for k in range(n_minibatches)]
+    shares = [dp.share(mb, seqlens) for mb in minibatches]
+    mine = sorted({i for share in shares for i in share})
+    return minibatches, shares, mine
+
+
 def train_step(
     backend: TrainerBackend,
-    trajs: Sequence[Trajectory],
+    trajs: Sequence[Trajectory | TrajectoryRef],
     *,
     ppo: PPOConfig,
     max_tokens_per_mb: int,
@@ -208,27 +222,25 @@ def train_step(
 ) -> dict[str, float]:
     """One PPO training step on the whole batch; with dp, on this rank's share of it.
 
-    Every rank passes the same batch. The returned statistics are of the whole batch and
-    the same on every rank. `version` (the trainer's, before this step) enables the check
-    of fresh tokens' log-probs (train/fresh_*). `ref`: the frozen reference policy
-    (ppo.kl_coef > 0); `max_new_tokens`: rollout.max_new_tokens (ppo.overlong_penalty).
+    Every rank passes the same batch; only this rank's sequences (batch_split) need their
+    tokens, the others may be TrajectoryRefs (the pull data plane). The returned
+    statistics are of the whole batch and the same on every rank. `version` (the trainer's,
+    before this step) enables the check of fresh tokens' log-probs (train/fresh_*). `ref`:
+    the frozen reference policy (ppo.kl_coef > 0); `max_new_tokens`:
+    rollout.max_new_tokens (ppo.overlong_penalty).
     """
     dp = dp or DataParallel()
     if max_new_tokens is not None:  # ExperimentConfig has filled them already
         ppo = ppo.with_lengths(max_new_tokens)
     n_minibatches = ppo.n_minibatches
-    seqs = [t.prompt_ids + t.output_ids for t in trajs]
-    seqlens = [len(s) for s in seqs]
+    seqlens = [t.n_prompt + t.n_output for t in trajs]
     # The loss reads each stream from its first generated token's prediction on.
-    starts = [len(t.prompt_ids) - 1 for t in trajs]
-    tokens = _token_tensors(trajs)
-
+    starts = [t.n_prompt - 1 for t in trajs]
     # Minibatches over a fixed shuffle of the batch; each rank takes a token-balanced share.
-    order = list(range(len(trajs)))
-    random.Random(seed).shuffle(order)
-    minibatches = [order[k::n_minibatches] for k in range(n_minibatches)]
-    shares = [dp.share(mb, seqlens) for mb in minibatches]
-    mine = sorted({i for share in shares for i in share})
+    minibatches, shares, mine = batch_split(seqlens, n_minibatches, seed, dp)
+    # Tokens of this rank's sequences only (with the pull data plane it has no others).
+    seqs = {i: trajs[i].prompt_ids + trajs[i].output_ids for i in mine}
+    tokens = dict(zip(mine, _token_tensors([trajs[i] for i in mine]), strict=True))
 
     # 1) proximal policy = the weights before this step's first update, for this rank's
     #    sequences only. Naive PPO uses the behaviour policy in its place. Without a mask
@@ -296,7 +308,7 @@ def train_step(
             _accumulate(stats, _fresh_tokens_check(*(tokens[i][k] for k in _CHECKED), version))
     if approx:
         stats["train/prox_approx_gap_max"] = 0.0
-        v_now = version if version is not None else max(max(t.versions, default=0) for t in trajs)
+        v_now = version if version is not None else max(max(t.version_max, 0) for t in trajs)
     grad_norms = []
     spec = (max_tokens_per_mb, min_n_mbs)
     with_entropy = ppo.entropy_coef > 0

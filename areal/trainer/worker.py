@@ -5,6 +5,8 @@ does in it (`dp.is_main`) talks to the controller and writes files:
 
     step: version i -> i+1, on every rank
       get_batch(i): rank 0 asks the controller --broadcast--> every other rank
+               rollout.data_plane=pull: the reply is the batch's metadata; every rank
+               fetches the tokens of its own share from their holders (data_plane.py)
       train_step: proximal log-probs, advantages, minibatch updates on this rank's share
       publish: rank 0 writes weights/v(i+1)/ + weights_ready(i+1) --> controller
                (collective backend: every rank contributes its slices of the weights)
@@ -39,19 +41,20 @@ from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
 from areal.cores import role_cores
+from areal.data_plane import Puller
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.factory import make_backend, make_reference
 from areal.trainer.parallel import DataParallel, init_data_parallel
-from areal.trainer.step import train_step
-from areal.trajectory import Trajectory
+from areal.trainer.step import batch_split, train_step
+from areal.trajectory import Trajectory, TrajectoryRef, is_ref
 from areal.weights import publish
 
 log = logging.getLogger("areal.trainer")
 
 
-def staleness(trajs: list[Trajectory], version: int) -> list[int]:
+def staleness(trajs: list[Trajectory | TrajectoryRef], version: int) -> list[int]:
     """Trainer version minus the oldest token version of each sample."""
-    return [version - min(t.versions, default=version) for t in trajs]
+    return [version - (t.version_min if t.n_output else version) for t in trajs]
 
 
 def last_time(metrics_path: Path) -> float:
@@ -146,7 +149,7 @@ def run_trainer(cfg: ExperimentConfig, key: bytes, index: int = 0) -> None:
         return SyncRpcClient(address, key)
 
     try:
-        train(cfg, dp, connect)
+        train(cfg, dp, connect, key)
     finally:
         dp.close()
 
@@ -159,20 +162,49 @@ def _get_batch(controller: SyncRpcClient | None, version: int, dp: DataParallel)
         return dp.broadcast_object(reply)
 
 
-def batch_line(version: int, trajs: list[Trajectory], stale: list[int]) -> dict:
+def batch_trajectories(
+    cfg: ExperimentConfig, reply: dict, version: int, dp: DataParallel, puller: Puller
+) -> tuple[list[Trajectory | TrajectoryRef], dict[str, float]]:
+    """The batch as train_step takes it, and what this rank received of it. Relay: whole
+    trajectories. Pull: references, with this rank's own share (the split train_step
+    makes, from the lengths) fetched from their holders and whole; the others stay
+    references. Every rank fetches its share, tensor and pipeline ranks of one replica
+    alike: one round trip to each holder, no collective."""
+    wires = reply["trajectories"]
+    if not wires or not is_ref(wires[0]):
+        return [Trajectory.from_wire(d) for d in wires], {}
+    trajs: list[Trajectory | TrajectoryRef] = [TrajectoryRef.from_wire(d) for d in wires]
+    seqlens = [t.n_prompt + t.n_output for t in trajs]
+    *_, mine = batch_split(seqlens, cfg.ppo.n_minibatches, _step_args(cfg, version)["seed"], dp)
+    before = puller.bytes_in
+    with events.span("pull", version=version, seqs=len(mine)):
+        for i, t in zip(mine, puller.pull([trajs[i] for i in mine]), strict=True):
+            trajs[i] = t
+    received = float(puller.bytes_in - before)
+    total, most = dp.all_reduce([received], "sum")[0], dp.all_reduce([received], "max")[0]
+    return trajs, {"data/pulled_bytes": total, "data/pulled_bytes_rank_max": most}
+
+
+def batch_line(version: int, trajs: list[Trajectory | TrajectoryRef], stale: list[int]) -> dict:
     """One line of batches.jsonl: the per-sample figures behind the metrics of the step
     that made `version` (the report's staleness and output-length distributions)."""
     return {
         "step": version,
-        "output_len": [len(t.output_ids) for t in trajs],
+        "output_len": [t.n_output for t in trajs],
         "staleness": stale,
         "reward": [t.reward for t in trajs],
     }
 
 
-def train(cfg: ExperimentConfig, dp: DataParallel, connect: Callable[[], SyncRpcClient]) -> None:
+def train(
+    cfg: ExperimentConfig,
+    dp: DataParallel,
+    connect: Callable[[], SyncRpcClient],
+    key: bytes = b"",
+) -> None:
     """The loop of one rank; global rank 0 reaches the controller through connect() (an
-    RPC client, or areal/inline.py's in-process stand-in)."""
+    RPC client, or areal/inline.py's in-process stand-in); `key` signs the pulls from the
+    holders (the pull data plane)."""
     torch.manual_seed(cfg.seed)
     cores = role_cores(cfg.trainer.num_threads)
     # Every rank loads the same weights and optimizer state, so that identical summed
@@ -188,6 +220,7 @@ def train(cfg: ExperimentConfig, dp: DataParallel, connect: Callable[[], SyncRpc
         load_trainer_part(backend, resume_from.path)
         version = resume_from.version
     controller, metrics = None, None
+    puller = Puller(key, cfg.exp_dir / "logs")
     if dp.is_main:
         controller = connect()
         metrics = _Metrics(cfg.exp_dir, dp)
@@ -196,9 +229,10 @@ def train(cfg: ExperimentConfig, dp: DataParallel, connect: Callable[[], SyncRpc
         cores.wait()  # lends its cores to the servers until its batch comes
         reply = _get_batch(controller, version, dp)
         cores.work()
-        trajs = [Trajectory.from_wire(d) for d in reply["trajectories"]]
+        trajs, received = batch_trajectories(cfg, reply, version, dp, puller)
         t_batch = time.time()
         stats = train_step(backend, trajs, dp=dp, ref=ref, **_step_args(cfg, version))
+        stats.update(received)
         t_train = time.time() - t_batch
         stats["time/train_threads"] = cores.threads_mean()
         stale = staleness(trajs, version)
@@ -212,6 +246,7 @@ def train(cfg: ExperimentConfig, dp: DataParallel, connect: Callable[[], SyncRpc
             save_checkpoint(cfg, backend, controller, version, dp)
             t_saved = time.time()
     dp.barrier()  # rank 0 may still be writing the last checkpoint
+    puller.close()
     if dp.is_main:
         metrics.close()
         controller.close()

@@ -33,12 +33,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from areal.trajectory import Trajectory
+from areal.trajectory import Trajectory, TrajectoryRef
 
 log = logging.getLogger("areal.workflow")
 
 GenerateFn = Callable[[list[int], int, dict], Awaitable[list[Trajectory]]]
 GradeFn = Callable[[str, list[str], Any], Awaitable[list[float]]]
+GenerateGradedFn = Callable[[list[int], int, dict, dict], Awaitable[list[TrajectoryRef]]]
 
 
 class EpisodeError(Exception):
@@ -66,6 +67,9 @@ class RolloutEngine:
     start_version: int
     generate_fn: GenerateFn
     grade_fn: GradeFn | None = None
+    generate_graded_fn: GenerateGradedFn | None = None
+    """The pull data plane: generation and grading on the rollout worker, which keeps the
+    tokens (areal/data_plane.py); None: generate_graded decodes and grades here."""
 
     async def generate(
         self, input_ids: list[int], n: int = 1, max_new_tokens: int | None = None
@@ -80,6 +84,23 @@ class RolloutEngine:
             params["max_new_tokens"] = int(max_new_tokens)
         return await self.generate_fn(list(input_ids), n, params)
 
+    async def generate_graded(
+        self, input_ids: list[int], n: int, task: str, answer: Any
+    ) -> list[Trajectory | TrajectoryRef]:
+        """n samples continuing `input_ids`, each rewarded by the reward service's grade of
+        its decoded text (special tokens skipped): graded on text, trained on the recorded
+        tokens. With the pull data plane the rollout worker that generated them decodes,
+        grades and keeps them, and they come back as TrajectoryRefs (rewards set)."""
+        if self.generate_graded_fn is not None:
+            grade = {"task": task, "answer": answer}
+            return await self.generate_graded_fn(list(input_ids), n, self.sampling_params, grade)
+        trajs = await self.generate(input_ids, n)
+        texts = [self.tokenizer.decode(t.output_ids, skip_special_tokens=True) for t in trajs]
+        rewards = await self.grade(task, texts, answer)
+        for t, r in zip(trajs, rewards, strict=True):
+            t.reward = r
+        return trajs
+
     async def grade(self, task: str, responses: list[str], answer: Any) -> list[float]:
         """Rewards of responses from the reward service (math, code, arith graders)."""
         if self.grade_fn is None:
@@ -93,7 +114,9 @@ class Workflow(Protocol):
     to nothing (a class that only looks like one is refused by `load_workflow`)."""
 
     @abc.abstractmethod
-    async def arun_episode(self, engine: RolloutEngine, data: dict) -> list[Trajectory] | None:
+    async def arun_episode(
+        self, engine: RolloutEngine, data: dict
+    ) -> list[Trajectory | TrajectoryRef] | None:
         """The trajectories of one admitted row (its group), or None to decline the row."""
 
     def stats(self) -> dict[str, float]:
@@ -105,13 +128,19 @@ class Workflow(Protocol):
         return None
 
 
-def check_trajectories(trajs: Any) -> list[Trajectory]:
+def check_trajectories(trajs: Any) -> list[Trajectory | TrajectoryRef]:
     """The workflow's result, or EpisodeError saying what is wrong with it."""
     if not isinstance(trajs, list) or not trajs:
         raise EpisodeError(
             f"arun_episode must return a non-empty list of Trajectory or None, got {trajs!r:.200}"
         )
     for i, t in enumerate(trajs):
+        if isinstance(t, TrajectoryRef):  # made by a rollout worker, which checked its tokens
+            if not t.n_prompt or not t.n_output:
+                raise EpisodeError(f"trajectory {i} has an empty prompt or output")
+            if not isinstance(t.reward, int | float) or not math.isfinite(t.reward):
+                raise EpisodeError(f"trajectory {i} has reward {t.reward!r}; must be finite")
+            continue
         if not isinstance(t, Trajectory):
             raise EpisodeError(f"trajectory {i} is a {type(t).__name__}, not a Trajectory")
         n = len(t.output_ids)
@@ -141,7 +170,9 @@ class EpisodeRunner:
         self.counts = {"rejected": 0, "timeout": 0, "declined": 0}
         self._logged: set[str] = set()
 
-    async def run(self, engine: RolloutEngine, data: dict) -> list[Trajectory] | None:
+    async def run(
+        self, engine: RolloutEngine, data: dict
+    ) -> list[Trajectory | TrajectoryRef] | None:
         """Trajectories, None (declined) or EpisodeError (rejected; its row is drawn again)."""
         deadline = time.monotonic() + self.timeout_s
         try:

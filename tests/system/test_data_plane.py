@@ -1,0 +1,156 @@
+"""The pull data plane against the relay path, with real holder processes and two gloo ranks.
+
+The same batch, held by two holder processes (real TrajectoryStores behind the real RPC
+layer): each rank trains one step on the relayed whole batch, and one step on the batch
+as references of which it fetches only its own share. The two give bit-identical
+statistics and weights; each rank fetched exactly its share. A killed holder fails the
+pull, after one retry, with the holder and its log named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from areal.comm import wire
+from areal.comm.net import free_port
+from areal.config import load_config
+from areal.data_plane import Puller, PullError
+from areal.models.tiny import make_tiny_model
+from areal.trainer.parallel import DataParallel, init_data_parallel
+from areal.trainer.step import batch_split, train_step
+from areal.trainer.worker import _step_args, batch_trajectories
+from areal.trajectory import Trajectory, TrajectoryRef
+from tests.system.conftest import join_world
+from tests.system.test_data_parallel import make_backend, make_trajectories
+
+KEY = bytes(range(32))  # the same in the spawned ranks, which import this module anew
+HOLDER = Path(__file__).with_name("holder_proc.py")
+OVERRIDES = ["ppo.n_minibatches=2", "ppo.behav_imp_weight_cap=2.0", "seed=3"]
+VERSION = 0
+
+
+@contextmanager
+def holders(batch_file: Path, bounds: list[tuple[int, int]], tmp: Path):
+    """Holder processes, one per (lo, hi) slice of the batch; yields (procs, refs in order)."""
+    procs, files = [], []
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    try:
+        for k, (lo, hi) in enumerate(bounds):
+            files.append(tmp / f"refs{k}.msgpack")
+            cmd = [sys.executable, str(HOLDER), KEY.hex(), str(batch_file), str(lo), str(hi)]
+            procs.append(subprocess.Popen([*cmd, f"holder{k}", str(files[-1])], env=env))
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files):
+            assert time.monotonic() < deadline, "the holders did not start"
+            assert all(p.poll() is None for p in procs), "a holder died at start"
+            time.sleep(0.05)
+        yield procs, [r for f in files for r in wire.unpack(f.read_bytes())]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+def _rank_main(rank: int, model_dir: str, tmp: str, port: int) -> None:
+    join_world(rank, 2, port)
+    dp = init_data_parallel(2, rank, timeout_s=60)
+    cfg = load_config(None, OVERRIDES)
+    args = {**_step_args(cfg, VERSION), "max_tokens_per_mb": 40, "max_new_tokens": None}
+    out = Path(tmp)
+    try:
+        # relay: every rank has the whole batch (as rank 0's broadcast gives it)
+        whole = [Trajectory.from_wire(d) for d in wire.unpack((out / "batch").read_bytes())]
+        relay_backend = make_backend(model_dir)
+        relay = train_step(relay_backend, whole, dp=dp, **args)
+        # pull: references for all, tokens fetched for this rank's share only
+        reply = {"trajectories": wire.unpack((out / "refs").read_bytes())}
+        puller = Puller(KEY, out / "logs")
+        trajs, received = batch_trajectories(cfg, reply, VERSION, dp, puller)
+        puller.close()
+        pull_backend = make_backend(model_dir)
+        pull = train_step(pull_backend, trajs, dp=dp, **args)
+        params = {f"relay.{j}": p.detach() for j, p in enumerate(relay_backend.model.parameters())}
+        params.update(
+            {f"pull.{j}": p.detach() for j, p in enumerate(pull_backend.model.parameters())}
+        )  # noqa: E501
+        save_file({k: v.contiguous() for k, v in params.items()}, out / f"rank{rank}.safetensors")
+        info = {
+            "relay": relay,
+            "pull": pull,
+            "fetched": [i for i, t in enumerate(trajs) if isinstance(t, Trajectory)],
+            "bytes": puller.bytes_in,
+            "received": received,
+        }
+        (out / f"rank{rank}.json").write_text(json.dumps(info))
+    finally:
+        dp.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", warmup_steps=0)
+
+
+@pytest.mark.timeout(180)
+def test_pulled_shares_train_bit_identically_to_the_relayed_batch(model_dir, tmp_path):
+    vocab = make_backend(model_dir).model.config.vocab_size
+    trajs = make_trajectories(vocab)
+    batch = [t.to_wire() for t in trajs]
+    (tmp_path / "batch").write_bytes(wire.pack(batch))
+    with holders(tmp_path / "batch", [(0, 6), (6, len(trajs))], tmp_path) as (_, refs):
+        assert [r["n_output"] for r in refs] == [t.n_output for t in trajs]
+        (tmp_path / "refs").write_bytes(wire.pack(refs))
+        mp.spawn(_rank_main, args=(str(model_dir), str(tmp_path), free_port()), nprocs=2)
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    tensors = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(2)]
+    for info, t in zip(infos, tensors, strict=True):
+        assert info["pull"] == info["relay"]  # every statistic, to the last bit
+        for key in t:
+            if key.startswith("pull."):
+                assert torch.equal(t[key], t["relay." + key[5:]]), key
+    # Each rank fetched exactly its own share (the step's split), no more: disjoint, all.
+    cfg = load_config(None, OVERRIDES)
+    seqlens = [t.n_prompt + t.n_output for t in trajs]
+    seed = _step_args(cfg, VERSION)["seed"]
+    for rank, info in enumerate(infos):
+        assert info["fetched"] == batch_split(seqlens, 2, seed, DataParallel(rank, 2))[2]
+    assert set(infos[0]["fetched"]).isdisjoint(infos[1]["fetched"])
+    assert sorted(infos[0]["fetched"] + infos[1]["fetched"]) == list(range(len(trajs)))
+    # Bytes: each rank received its share's bytes, about half of the batch's.
+    whole = len(wire.pack(batch))
+    for info in infos:
+        assert 0 < info["bytes"] < 0.8 * whole
+        assert info["received"]["data/pulled_bytes"] == infos[0]["bytes"] + infos[1]["bytes"]
+
+
+def test_a_killed_holder_fails_the_pull_after_one_retry_naming_it_and_its_log(tmp_path):
+    trajs = make_trajectories(vocab=50, n=4)
+    (tmp_path / "batch").write_bytes(wire.pack([t.to_wire() for t in trajs]))
+    with holders(tmp_path / "batch", [(0, 4)], tmp_path) as (procs, refs):
+        puller = Puller(KEY, tmp_path / "logs", timeout_s=1.0)
+        refs = [TrajectoryRef.from_wire(r) for r in refs]
+        got = puller.pull(refs)
+        assert [t.output_ids for t in got] == [t.output_ids for t in trajs]
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(PullError) as e:
+            puller.pull(refs[:2])
+        puller.close()
+    msg = str(e.value)
+    assert "holder0" in msg and "tried twice" in msg, msg
+    assert str(tmp_path / "logs" / "holder0.log") in msg
+    assert refs[0].holder in msg
+    assert time.monotonic() - t0 >= 2.0  # two attempts of 1 s each, not one
