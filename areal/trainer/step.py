@@ -5,7 +5,8 @@ batch of B*G trajectories
      (without a mask that needs them first, the first minibatch's own forward gives its
      share; with ppo.prox_approx none at all); the reference policy's, with ppo.kl_coef
   2) rewards shaped, advantages (ppo.adv_estimator) over the whole batch
-  3) the valid tokens: generated, within the cap, kept by M2PO's mask over the batch
+  3) the valid tokens: generated, kept by the behaviour weight's mask (ppo.behav_imp_weight_*)
+     and by M2PO's mask over the batch
   4) for each of ppo.n_minibatches minibatches, in order:
        this rank's token-balanced share (all of it without data parallelism)
        -> dynamic micro-batches, as many on every rank
@@ -237,7 +238,7 @@ def train_step(
     #    (one forward over 1/n_minibatches of the batch saved, the whole pass with one
     #    minibatch). prox_approx interpolates them in the loss instead (no pass at all).
     decoupled, approx = ppo.use_decoupled_loss, ppo.prox_approx != "none"
-    masks_first = ppo.behav_imp_weight_cap is not None or ppo.m2po_tau is not None
+    masks_first = ppo.behav_mask_bounds() != (None, None) or ppo.m2po_tau is not None
     reuse_first = decoupled and not approx and not masks_first
     check_fresh = decoupled and version is not None
     rest: list[int] = []  # the sequences of the proximal pass
@@ -277,18 +278,24 @@ def train_step(
     for i in mine:
         tokens[i]["adv"] = torch.full_like(tokens[i]["behav"], float(advantages[i]))
 
-    # 3) the valid tokens: within the cap, and M2PO's cut over the whole batch
+    # 3) the valid tokens: kept by the behaviour weight's mask, and M2PO's cut over the batch
+    n_masked = [0, 0]  # tokens, sequences
     for i in mine:
         t = tokens[i]
-        t["valid"] = objective.behaviour_weight_mask(
-            t["prox"], t["behav"], t["mask"], ppo.behav_imp_weight_cap
+        t["valid"] = objective.correction_mask(
+            t["prox"], t["behav"], t["mask"], [len(t["mask"])], ppo
         )
+        lost = int((t["mask"].bool() & ~t["valid"]).sum())
+        n_masked[0] += lost
+        n_masked[1] += lost > 0
     n_m2po = _m2po_mask(tokens, mine, ppo.m2po_tau, dp) if ppo.m2po_tau is not None else 0
 
     # 4) sequential minibatch updates
     keys = ["loss/ppo", *_TOKEN_MEANS[:3], *_COUNTS]
     keys += ["loss/kl_ref"] if ppo.kl_coef > 0 and ppo.kl_in == "loss" else []
     keys += ["loss/entropy"] if ppo.entropy_coef > 0 else []
+    if ppo.behav_imp_weight_mode == "truncate":
+        keys += ["loss/behav_truncated_tokens", "loss/behav_truncated_seqs"]
     stats = dict.fromkeys(keys, 0.0)
     if check_fresh:
         stats.update(dict.fromkeys(_FRESH, 0.0))
@@ -378,6 +385,8 @@ def train_step(
 
     if ppo.m2po_tau is not None:
         stats["loss/n_m2po_masked_tokens"] = float(n_m2po)
+    # (generated tokens out of the loss: loss/n_capped_tokens, this mask's and M2PO's)
+    stats["loss/behav_masked_tokens"], stats["loss/behav_masked_seqs"] = map(float, n_masked)
     stats = dp.reduce_stats(stats)
     n_tok = max(stats["loss/n_valid_tokens"], 1.0)
     for k in _TOKEN_MEANS:
