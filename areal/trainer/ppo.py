@@ -59,12 +59,12 @@ are per token (`token_advantages`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from areal.config import GROUP_ESTIMATORS, PPOConfig
+from areal.config import GROUP_ESTIMATORS, TOKEN_ESTIMATORS, PPOConfig
 
 ADV_EPS = 1e-6
 """Added to a standard deviation before dividing by it."""
@@ -149,7 +149,7 @@ def _normalise(
 _ESTIMATORS = {
     "grpo": (("group", True),),
     "dr_grpo": (("group", False),),
-    "reinforce_pp": (("batch", True),),
+    "reinforce_pp_seq": (("batch", True),),
     "reinforce_pp_baseline": (("group", False), ("batch", True)),
 }
 """adv_estimator -> its normalisation steps (over which set, divide by the std), in order."""
@@ -173,11 +173,12 @@ def compute_advantages(
     | grpo                   | (r - mean_group) / std_group                             |
     | dr_grpo                | r - mean_group                                           |
     | rloo                   | r - mean of the group's other samples                    |
-    | reinforce_pp           | (r - mean_batch) / std_batch                             |
+    | reinforce_pp_seq       | (r - mean_batch) / std_batch                             |
     | reinforce_pp_baseline  | x = r - mean_group, then (x - mean_batch x) / std_batch x|
 
-    With mask_truncated, samples whose `truncated` is true get A = 0 after the above (their
-    rewards still count in the means). cfg: a PPOConfig or an ExperimentConfig; None = the
+    reinforce_pp (the paper's, per token) is token_advantages'. With mask_truncated, samples
+    whose `truncated` is true get A = 0 after the above (their rewards still count in the
+    means). cfg: a PPOConfig or an ExperimentConfig; None = the
     paper's (batch normalisation, or group with group_ids given).
     """
     if cfg is None:
@@ -186,6 +187,7 @@ def compute_advantages(
     r = torch.as_tensor(rewards, dtype=torch.float64)
     group_ids = None if group_ids is None else torch.as_tensor(group_ids)
     est = ppo.adv_estimator
+    assert est not in TOKEN_ESTIMATORS, f"adv_estimator={est} is per token: token_advantages"
     level = ppo.adv_norm if est == "norm" else None
     if (est in GROUP_ESTIMATORS or level == "group") and group_ids is None:
         raise ValueError(f"adv_estimator={est} (adv_norm={level}) needs the samples' group_ids")
@@ -199,6 +201,58 @@ def compute_advantages(
     if ppo.mask_truncated and truncated is not None:
         adv = torch.where(torch.as_tensor(truncated).bool(), 0.0, adv)
     return adv.float()
+
+
+def kl_to_go(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """At each token t of one sequence, the sum of kl over its `mask` tokens s >= t."""
+    kl = torch.where(mask.bool(), kl.to(torch.float64), 0.0)
+    return torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])
+
+
+def token_advantages(
+    rewards: torch.Tensor,
+    masks: Sequence[torch.Tensor],
+    cfg: Any,
+    *,
+    kls: Sequence[torch.Tensor] | None = None,
+    truncated: torch.Tensor | None = None,
+    sum_over_ranks: Callable[[list[float]], list[float]] | None = None,
+) -> list[torch.Tensor]:
+    """REINFORCE++ (Hu 2025; adv_estimator=reinforce_pp): per-token advantages (float32) of
+    these sequences, from their shaped rewards r, generated-token masks and, with kl_in=reward,
+    per-token KL to the reference (under the behaviour policy). At token t of sequence i:
+
+        G_t = r_i - kl_coef * sum_{s >= t} KL_s      (the KL's return-to-go; G_t = r_i else)
+        A_t = (G_t - mean G) / (std G + ADV_EPS)     mean, population std over every
+                                                     generated token of the batch
+
+    so a sequence counts once per generated token. sum_over_ranks sums a list of floats over
+    the data-parallel ranks (each holds its own sequences); None = these are the batch. With
+    mask_truncated, truncated samples get 0 after the above (their tokens still count).
+    """
+    ppo = _ppo(cfg)
+    total = sum_over_ranks or (lambda xs: xs)
+    kl_on = ppo.kl_coef > 0 and ppo.kl_in == "reward"
+    returns = []
+    for i, mask in enumerate(masks):
+        g = torch.full(mask.shape, float(rewards[i]), dtype=torch.float64)
+        if kl_on:
+            assert kls is not None, "kl_in=reward needs the per-token KL"
+            g = g - ppo.kl_coef * kl_to_go(kls[i], mask)
+        returns.append(g)
+    on = [m.bool() for m in masks]
+    kept = [g[m] for g, m in zip(returns, on, strict=True)]  # the generated tokens' G
+    s, n = total([sum(float(g.sum()) for g in kept), float(sum(len(g) for g in kept))])
+    mean = s / max(n, 1.0)
+    (sq,) = total([sum(float(((g - mean) ** 2).sum()) for g in kept)])
+    std = (sq / max(n, 1.0)) ** 0.5
+    out = []
+    for i, g in enumerate(returns):
+        adv = (g - mean) / (std + ADV_EPS)
+        if ppo.mask_truncated and truncated is not None and bool(truncated[i]):
+            adv = torch.zeros_like(adv)
+        out.append(torch.where(on[i], adv, 0.0).float())
+    return out
 
 
 # ---------------------------------------------------------------- which tokens count

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from areal import events
-from areal.config import PPOConfig
+from areal.config import TOKEN_ESTIMATORS, PPOConfig
 from areal.trainer import ppo as objective
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.micro_batches import allocate_micro_batches
@@ -178,6 +178,37 @@ def _shaped_rewards(
     return shaped
 
 
+def _token_advantages(
+    trajs: Sequence[Trajectory],
+    tokens: list[dict],
+    mine: list[int],
+    truncated: torch.Tensor,
+    ppo: PPOConfig,
+    dp: DataParallel,
+    max_new_tokens: int | None,
+) -> None:
+    """objective.token_advantages of this rank's sequences into tokens[i]["adv"]: the
+    shaped reward less the KL's return-to-go (kl_in=reward), whitened over the generated
+    tokens of every rank."""
+    lengths = torch.tensor([len(trajs[i].output_ids) for i in mine])
+    rewards = torch.tensor([trajs[i].reward for i in mine], dtype=torch.float64)
+    shaped = objective.shape_rewards(
+        rewards, lengths, truncated[mine], ppo, max_new_tokens=max_new_tokens
+    )
+    kls = None
+    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
+        kls = [
+            objective.kl_estimate(tokens[i]["behav"], tokens[i]["ref"], ppo.kl_estimator)
+            for i in mine
+        ]
+    advs = objective.token_advantages(
+        shaped, [tokens[i]["mask"] for i in mine], ppo, kls=kls, truncated=truncated[mine],
+        sum_over_ranks=lambda xs: dp.all_reduce(xs, "sum"),
+    )  # fmt: skip
+    for i, adv in zip(mine, advs, strict=True):
+        tokens[i]["adv"] = adv
+
+
 def _m2po_mask(tokens: list[dict], mine: list[int], tau: float, dp: DataParallel) -> int:
     """M2PO's cut over the valid tokens of the whole batch (every rank's, gathered), applied
     to this rank's; returns how many of its tokens it masked."""
@@ -274,9 +305,12 @@ def train_step(
     truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
     shaped = _shaped_rewards(trajs, rewards, truncated, tokens, mine, ppo, dp, max_new_tokens)
     group_ids = torch.tensor([t.group_id for t in trajs])
-    advantages = objective.compute_advantages(shaped, group_ids, ppo, truncated=truncated)
-    for i in mine:
-        tokens[i]["adv"] = torch.full_like(tokens[i]["behav"], float(advantages[i]))
+    if ppo.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, over all ranks
+        _token_advantages(trajs, tokens, mine, truncated, ppo, dp, max_new_tokens)
+    else:
+        advantages = objective.compute_advantages(shaped, group_ids, ppo, truncated=truncated)
+        for i in mine:
+            tokens[i]["adv"] = torch.full_like(tokens[i]["behav"], float(advantages[i]))
 
     # 3) the valid tokens: kept by the behaviour weight's mask, and M2PO's cut over the batch
     n_masked = [0, 0]  # tokens, sequences

@@ -25,6 +25,7 @@ from areal.trainer.ppo import (
     norm_count,
     policy_loss,
     shape_rewards,
+    token_advantages,
     token_mask,
 )
 
@@ -454,7 +455,7 @@ def reference_advantages(estimator: str) -> list[float]:
             out.append(ri - mean)
         elif estimator == "rloo":
             out.append(ri - (sum(mine) - ri) / (len(mine) - 1))
-        elif estimator in ("reinforce_pp", "norm"):
+        elif estimator in ("reinforce_pp_seq", "norm"):
             out.append((ri - statistics.fmean(r)) / (statistics.pstdev(r) + ADV_EPS))
         else:
             out.append(ri - mean)  # reinforce_pp_baseline: centred, then whitened below
@@ -465,13 +466,93 @@ def reference_advantages(estimator: str) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "estimator", ["norm", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+    "estimator", ["norm", "grpo", "dr_grpo", "rloo", "reinforce_pp_seq", "reinforce_pp_baseline"]
 )
 def test_advantage_estimators_match_their_papers(estimator) -> None:
     adv = compute_advantages(
         torch.tensor(REWARDS), torch.tensor(GROUPS), PPOConfig(adv_estimator=estimator)
     )
     assert adv.tolist() == pytest.approx(reference_advantages(estimator), abs=1e-5)
+
+
+def reference_reinforce_pp(rewards, masks, kls, kl_coef, truncated):
+    """REINFORCE++ (Hu 2025): per-token reward -kl_coef * KL_t, the outcome reward at the
+    end; A_t = the return from t (gamma 1), whitened over every generated token."""
+    returns = []  # (sequence, position, G_t) of every generated token
+    for i, (r, mask, kl) in enumerate(zip(rewards, masks, kls, strict=True)):
+        gen = [t for t in range(len(mask)) if mask[t]]
+        for t in gen:
+            returns.append((i, t, r - kl_coef * sum(float(kl[s]) for s in gen if s >= t)))
+    values = [g for _, _, g in returns]
+    mean, std = statistics.fmean(values), statistics.pstdev(values)
+    out = [torch.zeros(len(m), dtype=torch.float64) for m in masks]
+    for i, t, g in returns:
+        out[i][t] = 0.0 if truncated[i] else (g - mean) / (std + ADV_EPS)
+    return out
+
+
+@pytest.mark.parametrize("kl_in", ["reward", "loss"])
+def test_reinforce_pp_whitens_per_token_returns_over_the_batch(kl_in) -> None:
+    """The per-token form: exact against the loop, any split of the sequences over ranks
+    (sums added as the ranks' all-reduce would) gives the same, and it is not the
+    sequence-level form (sequences of different lengths weigh by their tokens)."""
+    g = torch.Generator().manual_seed(7)
+    lens = [3, 9, 5, 12, 4, 7, 6, 10]
+    masks = [torch.ones(n) for n in lens]
+    for m in masks:
+        m[: int(torch.randint(0, 3, (1,), generator=g))] = 0  # prompt-like positions
+    kls = [torch.rand(n, generator=g, dtype=torch.float64) * 0.5 for n in lens]
+    rewards = torch.randn(len(lens), generator=g, dtype=torch.float64) * 3
+    truncated = torch.tensor([False, True, False, False, False, False, True, False])
+    cfg = PPOConfig(recipe="reinforce_pp", kl_coef=0.2, kl_in=kl_in, mask_truncated=True)
+    expected = reference_reinforce_pp(
+        rewards.tolist(), masks, kls, 0.2 if kl_in == "reward" else 0.0, truncated.tolist()
+    )
+    whole = token_advantages(rewards, masks, cfg, kls=kls, truncated=truncated)
+    for a, e in zip(whole, expected, strict=True):
+        assert a.double().tolist() == pytest.approx(e.tolist(), abs=1e-6)
+
+    # Two "ranks" holding [0, 3, 5] and the rest. A collective's result is the sum of
+    # both ranks' arguments: run the ranks in rounds, each round learning one more sum.
+    parts = [[0, 3, 5], [1, 2, 4, 6, 7]]
+    known: list[list[float]] = []  # the sums over ranks of the collectives done so far
+    while True:
+        args, results = [], []
+        for p in parts:
+            calls = iter(range(100))
+
+            def reduce(xs, calls=calls, args=args):
+                j = next(calls)
+                if j < len(known):
+                    return known[j]
+                if j == len(known):
+                    args.append(xs)
+                return xs  # not known yet: this round's result is discarded
+
+            results.append(
+                token_advantages(
+                    rewards[p],
+                    [masks[i] for i in p],
+                    cfg,
+                    kls=[kls[i] for i in p],
+                    truncated=truncated[p],
+                    sum_over_ranks=reduce,
+                )  # fmt: skip
+            )
+        if not args:
+            break
+        known.append([sum(x) for x in zip(*args, strict=True)])
+    assert len(known) == 2  # the mean, then the variance
+    for p, got in zip(parts, results, strict=True):
+        for i, a in zip(p, got, strict=True):
+            assert a.double().tolist() == pytest.approx(expected[i].tolist(), abs=1e-6)
+    # The sequence-level form gives each sequence one value: not this.
+    seq = compute_advantages(rewards, None, PPOConfig(adv_estimator="reinforce_pp_seq"))
+    assert any(
+        abs(float(seq[i]) - float(whole[i][-1])) > 1e-3
+        for i in range(len(lens))
+        if not truncated[i]
+    )
 
 
 def test_norm_estimator_options() -> None:
