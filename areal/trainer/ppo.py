@@ -524,6 +524,13 @@ def policy_loss(
             "loss/behav_weight_max": behav_weight[valid].max().item() if n_local else 0.0,
             "loss/n_valid_tokens": n_local.item(),
             "loss/n_capped_tokens": (loss_mask.bool() & ~valid).sum().item(),
+            # M2PO's M2 before any mask, as a sum over the generated tokens, and their count
+            "loss/behav_log_weight_sq_sum": torch.where(
+                loss_mask.bool(), (proximal_logprobs - behaviour_logprobs).detach() ** 2, zero
+            )
+            .sum()
+            .item(),
+            "loss/n_generated_tokens": loss_mask.bool().sum().item(),
         }
         if truncated is not None:
             stats["loss/behav_truncated_tokens"] = truncated.sum().item()

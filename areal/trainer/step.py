@@ -70,7 +70,13 @@ _TOKEN_MEANS = (
     "loss/kl_ref",
     "loss/entropy",
 )
-_COUNTS = ("loss/n_valid_tokens", "loss/n_capped_tokens", "loss/behav_weight_max")
+_COUNTS = (
+    "loss/n_valid_tokens",
+    "loss/n_capped_tokens",
+    "loss/behav_weight_max",
+    "loss/behav_log_weight_sq_sum",
+    "loss/n_generated_tokens",
+)
 _FRESH = ("train/fresh_tokens", "train/fresh_logprob_diff_max")
 _CHECKED = ("prox", "behav", "version")  # what the fresh-token check compares
 
@@ -426,6 +432,9 @@ def train_step(
     for k in _TOKEN_MEANS:
         if k in stats:
             stats[k] /= n_tok
+    # M2PO's M2 before any mask: the mean of (log pi_prox/pi_behav)^2 over generated tokens
+    n_gen = stats.pop("loss/n_generated_tokens")
+    stats["loss/behav_m2"] = stats.pop("loss/behav_log_weight_sq_sum") / max(n_gen, 1.0)
     stats["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
     stats["reward/mean"] = rewards.mean().item()
     if not torch.equal(shaped, rewards):
