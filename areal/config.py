@@ -494,6 +494,7 @@ _AREAL = dict(
     overlong_penalty=0.0,
     mask_truncated=False,
     dynamic_sampling=False,
+    cispo_mask=False,
     behav_imp_weight_mode="mask",
     behav_imp_weight_level="token",
 )
@@ -563,6 +564,8 @@ class PPOConfig(Section):
     """Dual clip: where A < 0 the objective is max(objective, c_clip * A); > 1, null = off."""
     loss: str | None = None
     """ppo (the clipped surrogate), cispo (clip(ratio) without gradient, times A times the log-prob) or sapo (a sigmoid gate of the ratio in place of the clip)."""  # noqa: E501
+    cispo_mask: bool | None = None
+    """loss=cispo: drop the gradient of tokens past the clip in their advantage's direction (A > 0 and u > 1 + eps_clip_higher, or A < 0 and u < 1 - eps_clip): MiniMax-M1's token mask M of its unified objective, PPO's trust region within CISPO."""  # noqa: E501
     sapo_tau_pos: float | None = None
     """loss=sapo: the gate's temperature where A > 0 (the paper's 1.0; higher = sharper)."""
     sapo_tau_neg: float | None = None
@@ -630,6 +633,8 @@ class PPOConfig(Section):
             )
         self._one_of("importance_sampling_level", ("token", "sequence", "sequence_token"))
         self._one_of("loss", ("ppo", "cispo", "sapo"))
+        if self.cispo_mask and self.loss != "cispo":
+            self._fail("cispo_mask", f"is CISPO's token mask; loss={self.loss} (use loss=cispo)")
         if self.loss == "sapo":
             if self.sapo_tau_pos is None or self.sapo_tau_neg is None:
                 self._fail(

@@ -20,6 +20,8 @@ and the M2PO mask):
     ppo:   obj = w * min(u A, clip(u, 1 - eps_clip, 1 + eps_clip_higher) A)
            dual clip (c_clip): where A < 0, min(...) becomes max(min(...), c_clip A)
     cispo: obj = w * sg[clip(u, 1 - eps_clip, 1 + eps_clip_higher)] * A * log pi_theta
+           cispo_mask: sg[obj] where A > 0 and u > 1 + eps_clip_higher, or A < 0 and
+           u < 1 - eps_clip (MiniMax-M1's token mask M)
     sapo:  obj = w * 4 / tau * sigmoid(tau * (u - 1)) * A,  tau = sapo_tau_pos if A > 0
                                             else sapo_tau_neg (the gate's slope is 1 at u = 1)
     loss  = agg(-obj) + kl_coef * agg(KL(theta || ref))  [kl_in=loss]  - entropy_coef * agg(H)
@@ -491,6 +493,9 @@ def policy_loss(
         lp = torch.where(valid, logprobs, zero)
         objective = clipped_ratio.detach() * adv * lp
         clipped = (ratio < lo) | (ratio > hi)
+        if ppo.cispo_mask:  # MiniMax-M1's M: past the clip in A's direction, no gradient
+            past = ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
+            objective = torch.where(past, objective.detach(), objective)
     else:  # sapo: a sigmoid gate of the ratio, its slope 1 at u = 1 for every temperature
         tau = torch.where(adv > 0, ppo.sapo_tau_pos, ppo.sapo_tau_neg).to(logprobs.dtype)
         objective = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0)) * adv

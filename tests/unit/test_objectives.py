@@ -111,8 +111,10 @@ def reference_loss(s, cfg: PPOConfig, theta: torch.Tensor, valid: torch.Tensor) 
                 obj = torch.minimum(ratio * a, clipped * a)
                 if cfg.c_clip is not None and a < 0:
                     obj = torch.maximum(obj, cfg.c_clip * a)
-            elif cfg.loss == "cispo":  # sg[clip(r)] * A * log pi
+            elif cfg.loss == "cispo":  # sg[clip(r)] * A * log pi, times M (MiniMax's mask)
                 obj = clipped.detach() * a * th[t]
+                if cfg.cispo_mask and ((a > 0 and ratio > hi) or (a < 0 and ratio < lo)):
+                    obj = obj.detach()
             else:  # SAPO: f(r) = 4 / tau * sigmoid(tau (r - 1)), tau by the sign of A
                 tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
                 obj = 4 / tau / (1 + torch.exp(-tau * (ratio - 1))) * a
@@ -233,6 +235,7 @@ KNOBS = {
     "grpo_recipe": dict(recipe="grpo"),
     "dapo_recipe": dict(recipe="dapo"),
     "cispo_recipe": dict(recipe="cispo"),
+    "cispo_mask": dict(loss="cispo", cispo_mask=True, eps_clip=0.1, eps_clip_higher=0.1),
     "cispo_sequence": dict(loss="cispo", importance_sampling_level="sequence", eps_clip=0.01),
     "everything": dict(
         c_clip=2.0,
@@ -622,6 +625,7 @@ def test_lengths_default_to_max_new_tokens() -> None:
         (["ppo.behav_imp_weight_mode=clip"], ["mask, truncate"]),
         (["ppo.behav_imp_weight_level=seq"], ["token, sequence, geometric"]),
         (["ppo.loss=sapo"], ["ppo.recipe=sapo sets them"]),
+        (["ppo.cispo_mask=true"], ["CISPO's token mask", "use loss=cispo"]),
         (["ppo.recipe=sapo", "ppo.sapo_tau_neg=0"], ["sapo_tau_neg"]),
         (["ppo.recipe=grpo", "rollout.group_size=1"], ["needs rollout.group_size >= 2"]),
         (["ppo.importance_sampling_level=seq"], ["token, sequence, sequence_token"]),
