@@ -450,6 +450,36 @@ RECIPES: dict[str, dict[str, Any]] = {
     "cispo": dict(adv_estimator="grpo", loss="cispo", eps_clip=1.0, eps_clip_higher=4.0),
     # M2PO (Zheng et al. 2025): the AReaL objective with the second-moment mask (tau 0.04).
     "m2po": dict(adv_estimator="grpo", m2po_tau=0.04),
+    # SAPO (Gao et al. 2025, Qwen): a sigmoid gate in place of the clip, temperatures 1.0 for
+    # positive and 1.05 for negative advantages, group advantages, per-sequence token mean.
+    "sapo": dict(
+        adv_estimator="grpo",
+        loss="sapo",
+        sapo_tau_pos=1.0,
+        sapo_tau_neg=1.05,
+        loss_agg="seq_mean_token_mean",
+    ),
+    # The behaviour-weight corrections (w = pi_prox / pi_behav) on the AReaL objective:
+    # TIS (Yao et al. 2025; slime --use-tis, verl rollout_is=token): w truncated at C = 2.
+    "tis": dict(behav_imp_weight_mode="truncate", behav_imp_weight_cap=2.0),
+    # MIS (Liu et al. 2025, "When Speed Kills Stability"; verl rollout_rs=sequence): whole
+    # sequences whose product of w exceeds C = 2 leave the loss.
+    "mis": dict(
+        behav_imp_weight_mode="mask", behav_imp_weight_level="sequence", behav_imp_weight_cap=2.0
+    ),
+    # IcePop (Ling team 2025, Ring-1T; OpenRLHF icepop): tokens whose w leaves [0.5, 5]
+    # leave the loss.
+    "icepop": dict(
+        behav_imp_weight_mode="mask", behav_imp_weight_floor=0.5, behav_imp_weight_cap=5.0
+    ),
+    # OpenRLHF seq-mask-tis: whole sequences whose geometric mean of w leaves [0.5, 5] leave
+    # the loss; the others keep their tokens' own w.
+    "seq_mask_tis": dict(
+        behav_imp_weight_mode="mask",
+        behav_imp_weight_level="geometric",
+        behav_imp_weight_floor=0.5,
+        behav_imp_weight_cap=5.0,
+    ),
 }
 """Recipe -> the knobs it sets; every other knob keeps the `areal` recipe's value (the
 field defaults' `null` means "the recipe's"), and a knob given explicitly always wins."""
@@ -467,10 +497,19 @@ _AREAL = dict(
     overlong_penalty=0.0,
     mask_truncated=False,
     dynamic_sampling=False,
+    cispo_mask=False,
+    behav_imp_weight_mode="mask",
+    behav_imp_weight_level="token",
 )
-"""The areal recipe's knobs; those left out stay null (off: c_clip, m2po_tau; derived:
+"""The areal recipe's knobs; those left out stay null (off: c_clip, m2po_tau, the behaviour
+weight's bounds, SAPO's temperatures; derived:
 eps_clip_higher = eps_clip, and adv_norm, adv_std_norm = batch, true for adv_estimator=norm)."""
-ADV_ESTIMATORS = ("norm", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADV_ESTIMATORS = (
+    "norm", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_seq", "reinforce_pp_baseline"
+)  # fmt: skip
+TOKEN_ESTIMATORS = ("reinforce_pp",)
+"""Estimators whose advantage differs from token to token (areal/trainer/ppo.py
+token_advantages); the others give every token its sequence's."""
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 """Estimators whose baseline is the prompt's group: they need rollout.group_size >= 2."""
@@ -479,21 +518,28 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 @dataclass(kw_only=True)
 class PPOConfig(Section):
     """The objective: decoupled PPO (the paper) and the knobs of GRPO, Dr.GRPO, DAPO, GSPO,
-    RLOO, REINFORCE++, CISPO and M2PO; areal/trainer/ppo.py has each knob's formula."""
+    RLOO, REINFORCE++, CISPO, M2PO, SAPO and the behaviour-weight corrections (TIS, MIS,
+    IcePop); areal/trainer/ppo.py has each knob's formula."""
 
     _section: ClassVar[str] = "ppo"
 
     recipe: str = "areal"
-    """Sets the knobs below to a paper's values (RECIPES in areal/config.py): areal, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, cispo, m2po; a knob given explicitly wins."""  # noqa: E501
+    """Sets the knobs below to a paper's values (RECIPES in areal/config.py): areal, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, cispo, m2po, sapo, tis, mis, icepop, seq_mask_tis; a knob given explicitly wins."""  # noqa: E501
     use_decoupled_loss: bool = True
     """Decoupled objective (proximal policy apart from behaviour policy); false = naive PPO."""
+    behav_imp_weight_mode: str | None = None
+    """What happens to a behaviour weight w = pi_prox/pi_behav outside [behav_imp_weight_floor, behav_imp_weight_cap]: mask (the token, or its whole sequence, leaves the loss; the paper's cap) or truncate (w is clamped into the bounds: TIS)."""  # noqa: E501
+    behav_imp_weight_level: str | None = None
+    """What the bounds apply to: token (each token's w), sequence (the product of w over the sequence's tokens) or geometric (exp of the mean log w over them); ppo.py has the table."""  # noqa: E501
     behav_imp_weight_cap: float | None = None
-    """Mask tokens whose pi_prox/pi_behav exceeds this; null = no cap."""
+    """Upper bound of the behaviour weight (> 1; null = none): the paper's cap with mode=mask, TIS's C with truncate."""  # noqa: E501
+    behav_imp_weight_floor: float | None = None
+    """Lower bound of the behaviour weight (in (0, 1); null = none): IcePop's 0.5."""
     n_minibatches: int = 4
     """Sequential PPO updates per training batch."""
     # ---- advantages (per sequence; null = the recipe's value) ----
     adv_estimator: str | None = None
-    """norm (the paper: (r - mean) / std over adv_norm's set), grpo ((r - group mean) / group std), dr_grpo (r - group mean), rloo (r - mean of the group's others), reinforce_pp (batch-normalised), reinforce_pp_baseline (r - group mean, then batch-normalised)."""  # noqa: E501
+    """norm (the paper: (r - mean) / std over adv_norm's set), grpo ((r - group mean) / group std), dr_grpo (r - group mean), rloo (r - mean of the group's others), reinforce_pp (the paper's: the return r - kl_coef * KL summed from each token on, whitened over every generated token of the batch), reinforce_pp_seq (one value per sequence, whitened over sequences), reinforce_pp_baseline (r - group mean, then batch-normalised)."""  # noqa: E501
     adv_norm: str | None = None
     """adv_estimator=norm only: batch, group or none (no centring, no scaling); null = batch."""
     adv_std_norm: bool | None = None
@@ -520,7 +566,13 @@ class PPOConfig(Section):
     c_clip: float | None = None
     """Dual clip: where A < 0 the objective is max(objective, c_clip * A); > 1, null = off."""
     loss: str | None = None
-    """ppo (the clipped surrogate) or cispo (clip(ratio) without gradient, times A times the log-prob)."""  # noqa: E501
+    """ppo (the clipped surrogate), cispo (clip(ratio) without gradient, times A times the log-prob) or sapo (a sigmoid gate of the ratio in place of the clip)."""  # noqa: E501
+    cispo_mask: bool | None = None
+    """loss=cispo: drop the gradient of tokens past the clip in their advantage's direction (A > 0 and u > 1 + eps_clip_higher, or A < 0 and u < 1 - eps_clip): MiniMax-M1's token mask M of its unified objective, PPO's trust region within CISPO."""  # noqa: E501
+    sapo_tau_pos: float | None = None
+    """loss=sapo: the gate's temperature where A > 0 (the paper's 1.0; higher = sharper)."""
+    sapo_tau_neg: float | None = None
+    """loss=sapo: the gate's temperature where A <= 0 (the paper's 1.05)."""
     m2po_tau: float | None = None
     """M2PO: mask the tokens with the largest (log pi_prox/pi_behav)^2 until the batch's mean of it is <= tau; null = off."""  # noqa: E501
     prox_approx: str = "none"
@@ -557,13 +609,20 @@ class PPOConfig(Section):
         if not 0 < self.eps_clip <= 1:
             self._fail("eps_clip", f"must be in (0, 1], got {self.eps_clip!r} (0.2 is the paper's)")
         self._positive("eps_clip_higher")
-        cap = self.behav_imp_weight_cap
+        cap, floor = self.behav_imp_weight_cap, self.behav_imp_weight_floor
         if cap is not None and not cap > 1:
             # The ratio sits around 1, so a cap <= 1 would mask about half of all tokens.
             self._fail(
                 "behav_imp_weight_cap",
-                f"must be > 1 or null (no cap), got {cap!r}; public examples use 5.0",
+                f"must be > 1 or null (no cap), got {cap!r}; public examples use 5.0 (2.0 for TIS)",
             )
+        if floor is not None and not 0 < floor < 1:
+            self._fail(
+                "behav_imp_weight_floor",
+                f"must be in (0, 1) or null (no lower bound), got {floor!r}; IcePop uses 0.5",
+            )
+        self._one_of("behav_imp_weight_mode", ("mask", "truncate"))
+        self._one_of("behav_imp_weight_level", ("token", "sequence", "geometric"))
         self._positive("n_minibatches", "reward_scale")
         self._one_of("adv_estimator", ADV_ESTIMATORS)
         if self.adv_estimator == "norm":
@@ -576,7 +635,17 @@ class PPOConfig(Section):
                 "fixes its own normalisation (leave it out, or use adv_estimator=norm)",
             )
         self._one_of("importance_sampling_level", ("token", "sequence", "sequence_token"))
-        self._one_of("loss", ("ppo", "cispo"))
+        self._one_of("loss", ("ppo", "cispo", "sapo"))
+        if self.cispo_mask and self.loss != "cispo":
+            self._fail("cispo_mask", f"is CISPO's token mask; loss={self.loss} (use loss=cispo)")
+        if self.loss == "sapo":
+            if self.sapo_tau_pos is None or self.sapo_tau_neg is None:
+                self._fail(
+                    "loss",
+                    "=sapo needs ppo.sapo_tau_pos and ppo.sapo_tau_neg (the paper's 1.0 and "
+                    "1.05: ppo.recipe=sapo sets them)",
+                )
+            self._positive("sapo_tau_pos", "sapo_tau_neg")
         self._one_of("loss_agg", LOSS_AGGS)
         self._one_of("kl_estimator", ("k1", "k2", "k3"))
         self._one_of("kl_in", ("loss", "reward"))
@@ -604,13 +673,22 @@ class PPOConfig(Section):
                     "approximates the decoupled loss's proximal policy: "
                     "set ppo.use_decoupled_loss=true or prox_approx=none",
                 )
-            for name in ("behav_imp_weight_cap", "m2po_tau"):
+            masks = ("behav_imp_weight_cap", "behav_imp_weight_floor", "m2po_tau")
+            for name in masks if self.behav_imp_weight_mode == "mask" else masks[2:]:
                 if getattr(self, name) is not None:
                     self._fail(
                         "prox_approx",
                         f"cannot be combined with ppo.{name} (it masks by "
-                        "the exact proximal log-probs before the update): use prox_approx=none",
+                        "the exact proximal log-probs before the update): use prox_approx=none"
+                        " (or behav_imp_weight_mode=truncate)",
                     )
+
+    def behav_mask_bounds(self) -> tuple[float | None, float | None]:
+        """(floor, cap) of the behaviour weight's mask; (None, None) when nothing is masked
+        by it (no bounds, or mode=truncate)."""
+        if self.behav_imp_weight_mode != "mask":
+            return None, None
+        return self.behav_imp_weight_floor, self.behav_imp_weight_cap
 
     def with_lengths(self, max_new_tokens: int) -> "PPOConfig":
         """This config with the lengths that default to rollout.max_new_tokens filled in:
@@ -646,8 +724,14 @@ class PPOConfig(Section):
             parts.append(f"entropy={self.entropy_coef:g}")
         if self.m2po_tau is not None:
             parts.append(f"m2po_tau={self.m2po_tau:g}")
-        if self.behav_imp_weight_cap is not None:
-            parts.append(f"cap={self.behav_imp_weight_cap:g}")
+        if self.loss == "sapo":
+            parts.append(f"sapo_tau={self.sapo_tau_pos:g}/{self.sapo_tau_neg:g}")
+        if (self.behav_imp_weight_cap, self.behav_imp_weight_floor) != (None, None):
+            lo, hi = self.behav_imp_weight_floor, self.behav_imp_weight_cap
+            parts.append(
+                f"behav_{self.behav_imp_weight_mode}[{self.behav_imp_weight_level}]"
+                f"=[{'-' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}]"
+            )
         if self.prox_approx != "none":
             parts.append(f"prox_approx={self.prox_approx}")
         if self.overlong_penalty:

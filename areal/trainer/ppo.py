@@ -8,9 +8,11 @@ by a forward pass, or approximated: `prox_approx`), and theta (being optimised).
 are shaped like the packed token stream, [T], one entry per token, loss_mask 1 on
 generated tokens; `seq_lens` cuts the stream into its sequences.
 
-Per valid token t of sequence i (valid: generated, and kept by the cap and the M2PO mask):
+Per valid token t of sequence i (valid: generated, and kept by the behaviour weight's mask
+and the M2PO mask):
 
-    w = pi_prox / pi_behav                  behaviour weight (a constant; 1 for naive PPO)
+    w = pi_prox / pi_behav                  behaviour weight (a constant; 1 for naive PPO;
+                                            corrected as the table below says)
     u = pi_theta / pi_prox                  importance_sampling_level=token (PPO)
     u = exp(mean_t log(pi_theta/pi_prox))   =sequence (GSPO: one ratio per sequence, and its
                                             w = exp(mean_t log w)); =sequence_token: the same
@@ -18,7 +20,27 @@ Per valid token t of sequence i (valid: generated, and kept by the cap and the M
     ppo:   obj = w * min(u A, clip(u, 1 - eps_clip, 1 + eps_clip_higher) A)
            dual clip (c_clip): where A < 0, min(...) becomes max(min(...), c_clip A)
     cispo: obj = w * sg[clip(u, 1 - eps_clip, 1 + eps_clip_higher)] * A * log pi_theta
+           cispo_mask: sg[obj] where A > 0 and u > 1 + eps_clip_higher, or A < 0 and
+           u < 1 - eps_clip (MiniMax-M1's token mask M)
+    sapo:  obj = w * 4 / tau * sigmoid(tau * (u - 1)) * A,  tau = sapo_tau_pos if A > 0
+                                            else sapo_tau_neg (the gate's slope is 1 at u = 1)
     loss  = agg(-obj) + kl_coef * agg(KL(theta || ref))  [kl_in=loss]  - entropy_coef * agg(H)
+
+The behaviour weight's correction (behav_imp_weight_*: mode, level, floor, cap). W is the
+weight at the level, over the sequence's tokens in the loss (its generated tokens, for the
+mask itself): token W = w_t, sequence W = prod_t w_t, geometric W = exp(mean_t log w_t).
+
+| mode     | outside [floor, cap]                         | presets (recipes)                  |
+|----------|----------------------------------------------|------------------------------------|
+| mask     | the token (token) or its whole sequence      | areal: cap (null: off; AReaL's 5); |
+|          | leaves the loss; kept tokens keep their w    | icepop [0.5, 5] token; mis: cap 2, |
+|          |                                              | sequence; seq_mask_tis [0.5, 5],   |
+|          |                                              | geometric                          |
+| truncate | every token's weight becomes clamp(W, floor, | tis: cap 2, token (TIS's C)        |
+|          | cap) (in place of the ratio level's w)       |                                    |
+
+On tokens sampled by the trainer's own current weights, w is the engine-vs-trainer ratio
+pi_trainer / pi_engine, so the same block corrects that mismatch (TIS's and IcePop's case).
 
 | loss_agg                 | agg(x)                                                    |
 |--------------------------|-----------------------------------------------------------|
@@ -33,17 +55,18 @@ so the summed gradient does not depend on how the minibatch was cut.
 
 KL estimators of log r = log pi_theta/pi_ref: k1 = log r, k2 = (log r)^2 / 2,
 k3 = 1/r - 1 + log r (Schulman's). Advantages are per sequence (gamma = lambda = 1, no
-critic), from rewards shaped first (`shape_rewards`): see `compute_advantages`.
+critic), from rewards shaped first (`shape_rewards`): see `compute_advantages`; REINFORCE++'s
+are per token (`token_advantages`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from areal.config import GROUP_ESTIMATORS, PPOConfig
+from areal.config import GROUP_ESTIMATORS, TOKEN_ESTIMATORS, PPOConfig
 
 ADV_EPS = 1e-6
 """Added to a standard deviation before dividing by it."""
@@ -128,7 +151,7 @@ def _normalise(
 _ESTIMATORS = {
     "grpo": (("group", True),),
     "dr_grpo": (("group", False),),
-    "reinforce_pp": (("batch", True),),
+    "reinforce_pp_seq": (("batch", True),),
     "reinforce_pp_baseline": (("group", False), ("batch", True)),
 }
 """adv_estimator -> its normalisation steps (over which set, divide by the std), in order."""
@@ -152,11 +175,12 @@ def compute_advantages(
     | grpo                   | (r - mean_group) / std_group                             |
     | dr_grpo                | r - mean_group                                           |
     | rloo                   | r - mean of the group's other samples                    |
-    | reinforce_pp           | (r - mean_batch) / std_batch                             |
+    | reinforce_pp_seq       | (r - mean_batch) / std_batch                             |
     | reinforce_pp_baseline  | x = r - mean_group, then (x - mean_batch x) / std_batch x|
 
-    With mask_truncated, samples whose `truncated` is true get A = 0 after the above (their
-    rewards still count in the means). cfg: a PPOConfig or an ExperimentConfig; None = the
+    reinforce_pp (the paper's, per token) is token_advantages'. With mask_truncated, samples
+    whose `truncated` is true get A = 0 after the above (their rewards still count in the
+    means). cfg: a PPOConfig or an ExperimentConfig; None = the
     paper's (batch normalisation, or group with group_ids given).
     """
     if cfg is None:
@@ -165,6 +189,7 @@ def compute_advantages(
     r = torch.as_tensor(rewards, dtype=torch.float64)
     group_ids = None if group_ids is None else torch.as_tensor(group_ids)
     est = ppo.adv_estimator
+    assert est not in TOKEN_ESTIMATORS, f"adv_estimator={est} is per token: token_advantages"
     level = ppo.adv_norm if est == "norm" else None
     if (est in GROUP_ESTIMATORS or level == "group") and group_ids is None:
         raise ValueError(f"adv_estimator={est} (adv_norm={level}) needs the samples' group_ids")
@@ -180,7 +205,78 @@ def compute_advantages(
     return adv.float()
 
 
+def kl_to_go(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """At each token t of one sequence, the sum of kl over its `mask` tokens s >= t."""
+    kl = torch.where(mask.bool(), kl.to(torch.float64), 0.0)
+    return torch.flip(torch.cumsum(torch.flip(kl, [0]), 0), [0])
+
+
+def token_advantages(
+    rewards: torch.Tensor,
+    masks: Sequence[torch.Tensor],
+    cfg: Any,
+    *,
+    kls: Sequence[torch.Tensor] | None = None,
+    truncated: torch.Tensor | None = None,
+    sum_over_ranks: Callable[[list[float]], list[float]] | None = None,
+) -> list[torch.Tensor]:
+    """REINFORCE++ (Hu 2025; adv_estimator=reinforce_pp): per-token advantages (float32) of
+    these sequences, from their shaped rewards r, generated-token masks and, with kl_in=reward,
+    per-token KL to the reference (under the behaviour policy). At token t of sequence i:
+
+        G_t = r_i - kl_coef * sum_{s >= t} KL_s      (the KL's return-to-go; G_t = r_i else)
+        A_t = (G_t - mean G) / (std G + ADV_EPS)     mean, population std over every
+                                                     generated token of the batch
+
+    so a sequence counts once per generated token. sum_over_ranks sums a list of floats over
+    the data-parallel ranks (each holds its own sequences); None = these are the batch. With
+    mask_truncated, truncated samples get 0 after the above (their tokens still count).
+    """
+    ppo = _ppo(cfg)
+    total = sum_over_ranks or (lambda xs: xs)
+    kl_on = ppo.kl_coef > 0 and ppo.kl_in == "reward"
+    returns = []
+    for i, mask in enumerate(masks):
+        g = torch.full(mask.shape, float(rewards[i]), dtype=torch.float64)
+        if kl_on:
+            assert kls is not None, "kl_in=reward needs the per-token KL"
+            g = g - ppo.kl_coef * kl_to_go(kls[i], mask)
+        returns.append(g)
+    on = [m.bool() for m in masks]
+    kept = [g[m] for g, m in zip(returns, on, strict=True)]  # the generated tokens' G
+    s, n = total([sum(float(g.sum()) for g in kept), float(sum(len(g) for g in kept))])
+    mean = s / max(n, 1.0)
+    (sq,) = total([sum(float(((g - mean) ** 2).sum()) for g in kept)])
+    std = (sq / max(n, 1.0)) ** 0.5
+    out = []
+    for i, g in enumerate(returns):
+        adv = (g - mean) / (std + ADV_EPS)
+        if ppo.mask_truncated and truncated is not None and bool(truncated[i]):
+            adv = torch.zeros_like(adv)
+        out.append(torch.where(on[i], adv, 0.0).float())
+    return out
+
+
 # ---------------------------------------------------------------- which tokens count
+
+
+def level_log_weight(
+    log_w: torch.Tensor,
+    on: torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor | None,
+    level: str,
+) -> torch.Tensor:
+    """Each token's log of its behaviour weight at `level` (behav_imp_weight_level): token:
+    log w_t itself; sequence: the sum of log w over its sequence's `on` tokens (the log of
+    their product); geometric: their mean. log_w must be 0 off `on`."""
+    if level == "token":
+        return log_w
+    assert seq_lens is not None, f"behav_imp_weight_level={level} needs seq_lens"
+    seq_id = _segments(seq_lens, len(log_w), log_w.device)
+    per_seq = _per_seq(log_w, seq_id, len(seq_lens))
+    if level == "geometric":
+        per_seq = per_seq / _per_seq(on.to(log_w.dtype), seq_id, len(seq_lens)).clamp(min=1)
+    return per_seq[seq_id]
 
 
 def behaviour_weight_mask(
@@ -188,17 +284,44 @@ def behaviour_weight_mask(
     behaviour_logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     behav_imp_weight_cap: float | None = None,
+    *,
+    floor: float | None = None,
+    level: str = "token",
+    seq_lens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Tokens that count in the loss: generated, and with a behaviour weight within the cap.
+    """Tokens that count in the loss: generated, and with a behaviour weight (at `level`,
+    over each sequence's generated tokens) within [floor, cap]; with a sequence level a
+    sequence goes whole.
 
     Depends only on the proximal and behaviour policies, which are fixed during a training
     step, so the trainer can count the valid tokens of a whole minibatch before the update.
     """
     valid = loss_mask.bool()
+    if behav_imp_weight_cap is None and floor is None:
+        return valid
+    log_w = torch.where(valid, proximal_logprobs - behaviour_logprobs, 0.0)
+    weight = torch.exp(level_log_weight(log_w, valid, seq_lens, level))
     if behav_imp_weight_cap is not None:
-        weight = torch.exp(proximal_logprobs - behaviour_logprobs)
         valid = valid & (weight <= behav_imp_weight_cap)
+    if floor is not None:
+        valid = valid & (weight >= floor)
     return valid
+
+
+def correction_mask(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    cfg: Any,
+) -> torch.Tensor:
+    """behaviour_weight_mask with the config's bounds (none with mode=truncate)."""
+    ppo = _ppo(cfg)
+    floor, cap = ppo.behav_mask_bounds()
+    return behaviour_weight_mask(
+        proximal_logprobs, behaviour_logprobs, loss_mask, cap,
+        floor=floor, level=ppo.behav_imp_weight_level, seq_lens=seq_lens,
+    )  # fmt: skip
 
 
 def m2po_threshold(second_moments: torch.Tensor, tau: float) -> float:
@@ -227,13 +350,14 @@ def token_mask(
     behaviour_logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     cfg: Any,
+    seq_lens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The valid tokens of one batch: generated, within behav_imp_weight_cap, and not cut by
-    the M2PO mask (over these tokens; the trainer applies it over the whole batch)."""
+    """The valid tokens of one batch: generated, kept by the behaviour weight's mask, and not
+    cut by the M2PO mask (over these tokens; the trainer applies it over the whole batch).
+    seq_lens: needed with a sequence-level mask; None = one sequence."""
     ppo = _ppo(cfg)
-    valid = behaviour_weight_mask(
-        proximal_logprobs, behaviour_logprobs, loss_mask, ppo.behav_imp_weight_cap
-    )
+    lens = [len(loss_mask)] if seq_lens is None else seq_lens
+    valid = correction_mask(proximal_logprobs, behaviour_logprobs, loss_mask, lens, ppo)
     if ppo.m2po_tau is not None:
         m = (proximal_logprobs - behaviour_logprobs).double() ** 2
         valid = valid & (m < m2po_threshold(m[valid], ppo.m2po_tau))
@@ -317,7 +441,7 @@ def policy_loss(
     """
     ppo = _ppo(cfg)
     if valid is None:
-        valid = token_mask(proximal_logprobs, behaviour_logprobs, loss_mask, ppo)
+        valid = token_mask(proximal_logprobs, behaviour_logprobs, loss_mask, ppo, seq_lens)
     valid = valid.bool()
     n_seqs = len(seq_lens)
     seq_id = _segments(seq_lens, len(logprobs), logprobs.device)
@@ -343,6 +467,15 @@ def policy_loss(
         log_ratio = log_u
     ratio = torch.exp(log_ratio)
     behav_weight = torch.exp(log_w)
+    truncated = None
+    if ppo.behav_imp_weight_mode == "truncate":  # TIS: the level's weight, clamped
+        token_log_w = torch.where(valid, proximal_logprobs - behaviour_logprobs, zero).detach()
+        level_w = torch.exp(
+            level_log_weight(token_log_w, valid, seq_lens, ppo.behav_imp_weight_level)
+        )
+        floor, cap = ppo.behav_imp_weight_floor, ppo.behav_imp_weight_cap
+        behav_weight = torch.clamp(level_w, floor, cap)
+        truncated = valid & (behav_weight != level_w)
     lo, hi = 1.0 - ppo.eps_clip, 1.0 + ppo.eps_clip_higher
     clipped_ratio = torch.clamp(ratio, lo, hi)
     adv = advantages.to(logprobs.dtype)
@@ -356,10 +489,17 @@ def policy_loss(
             dual = torch.maximum(objective, ppo.c_clip * adv)
             clipped = clipped | ((adv < 0) & (dual > objective))
             objective = torch.where(adv < 0, dual, objective)
-    else:  # cispo
+    elif ppo.loss == "cispo":
         lp = torch.where(valid, logprobs, zero)
         objective = clipped_ratio.detach() * adv * lp
         clipped = (ratio < lo) | (ratio > hi)
+        if ppo.cispo_mask:  # MiniMax-M1's M: past the clip in A's direction, no gradient
+            past = ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
+            objective = torch.where(past, objective.detach(), objective)
+    else:  # sapo: a sigmoid gate of the ratio, its slope 1 at u = 1 for every temperature
+        tau = torch.where(adv > 0, ppo.sapo_tau_pos, ppo.sapo_tau_neg).to(logprobs.dtype)
+        objective = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0)) * adv
+        clipped = (ratio < lo) | (ratio > hi)  # reported as PPO's would be, for comparison
     per_token = -behav_weight * objective
 
     kl = None
@@ -389,7 +529,18 @@ def policy_loss(
             "loss/behav_weight_max": behav_weight[valid].max().item() if n_local else 0.0,
             "loss/n_valid_tokens": n_local.item(),
             "loss/n_capped_tokens": (loss_mask.bool() & ~valid).sum().item(),
+            # M2PO's M2 before any mask, as a sum over the generated tokens, and their count
+            "loss/behav_log_weight_sq_sum": torch.where(
+                loss_mask.bool(), (proximal_logprobs - behaviour_logprobs).detach() ** 2, zero
+            )
+            .sum()
+            .item(),
+            "loss/n_generated_tokens": loss_mask.bool().sum().item(),
         }
+        if truncated is not None:
+            stats["loss/behav_truncated_tokens"] = truncated.sum().item()
+            seq_truncated = _per_seq(truncated.long(), seq_id, n_seqs) > 0
+            stats["loss/behav_truncated_seqs"] = seq_truncated.sum().item()
         if kl is not None:
             stats["loss/kl_ref"] = token_mean(kl)
         if entropy is not None:

@@ -5,7 +5,8 @@ batch of B*G trajectories
      (without a mask that needs them first, the first minibatch's own forward gives its
      share; with ppo.prox_approx none at all); the reference policy's, with ppo.kl_coef
   2) rewards shaped, advantages (ppo.adv_estimator) over the whole batch
-  3) the valid tokens: generated, within the cap, kept by M2PO's mask over the batch
+  3) the valid tokens: generated, kept by the behaviour weight's mask (ppo.behav_imp_weight_*)
+     and by M2PO's mask over the batch
   4) for each of ppo.n_minibatches minibatches, in order:
        this rank's token-balanced share (all of it without data parallelism)
        -> dynamic micro-batches, as many on every rank
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from areal import events
-from areal.config import PPOConfig
+from areal.config import TOKEN_ESTIMATORS, PPOConfig
 from areal.trainer import ppo as objective
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.micro_batches import allocate_micro_batches
@@ -69,7 +70,13 @@ _TOKEN_MEANS = (
     "loss/kl_ref",
     "loss/entropy",
 )
-_COUNTS = ("loss/n_valid_tokens", "loss/n_capped_tokens", "loss/behav_weight_max")
+_COUNTS = (
+    "loss/n_valid_tokens",
+    "loss/n_capped_tokens",
+    "loss/behav_weight_max",
+    "loss/behav_log_weight_sq_sum",
+    "loss/n_generated_tokens",
+)
 _FRESH = ("train/fresh_tokens", "train/fresh_logprob_diff_max")
 _CHECKED = ("prox", "behav", "version")  # what the fresh-token check compares
 
@@ -177,6 +184,37 @@ def _shaped_rewards(
     return shaped
 
 
+def _token_advantages(
+    trajs: Sequence[Trajectory | TrajectoryRef],
+    tokens: dict[int, dict],
+    mine: list[int],
+    truncated: torch.Tensor,
+    ppo: PPOConfig,
+    dp: DataParallel,
+    max_new_tokens: int | None,
+) -> None:
+    """objective.token_advantages of this rank's sequences into tokens[i]["adv"]: the
+    shaped reward less the KL's return-to-go (kl_in=reward), whitened over the generated
+    tokens of every rank."""
+    lengths = torch.tensor([trajs[i].n_output for i in mine])
+    rewards = torch.tensor([trajs[i].reward for i in mine], dtype=torch.float64)
+    shaped = objective.shape_rewards(
+        rewards, lengths, truncated[mine], ppo, max_new_tokens=max_new_tokens
+    )
+    kls = None
+    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
+        kls = [
+            objective.kl_estimate(tokens[i]["behav"], tokens[i]["ref"], ppo.kl_estimator)
+            for i in mine
+        ]
+    advs = objective.token_advantages(
+        shaped, [tokens[i]["mask"] for i in mine], ppo, kls=kls, truncated=truncated[mine],
+        sum_over_ranks=lambda xs: dp.all_reduce(xs, "sum"),
+    )  # fmt: skip
+    for i, adv in zip(mine, advs, strict=True):
+        tokens[i]["adv"] = adv
+
+
 def _m2po_mask(tokens: dict[int, dict], mine: list[int], tau: float, dp: DataParallel) -> int:
     """M2PO's cut over the valid tokens of the whole batch (every rank's, gathered), applied
     to this rank's; returns how many of its tokens it masked."""
@@ -249,7 +287,7 @@ def train_step(
     #    (one forward over 1/n_minibatches of the batch saved, the whole pass with one
     #    minibatch). prox_approx interpolates them in the loss instead (no pass at all).
     decoupled, approx = ppo.use_decoupled_loss, ppo.prox_approx != "none"
-    masks_first = ppo.behav_imp_weight_cap is not None or ppo.m2po_tau is not None
+    masks_first = ppo.behav_mask_bounds() != (None, None) or ppo.m2po_tau is not None
     reuse_first = decoupled and not approx and not masks_first
     check_fresh = decoupled and version is not None
     rest: list[int] = []  # the sequences of the proximal pass
@@ -285,22 +323,31 @@ def train_step(
     truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
     shaped = _shaped_rewards(trajs, rewards, truncated, tokens, mine, ppo, dp, max_new_tokens)
     group_ids = torch.tensor([t.group_id for t in trajs])
-    advantages = objective.compute_advantages(shaped, group_ids, ppo, truncated=truncated)
-    for i in mine:
-        tokens[i]["adv"] = torch.full_like(tokens[i]["behav"], float(advantages[i]))
+    if ppo.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, over all ranks
+        _token_advantages(trajs, tokens, mine, truncated, ppo, dp, max_new_tokens)
+    else:
+        advantages = objective.compute_advantages(shaped, group_ids, ppo, truncated=truncated)
+        for i in mine:
+            tokens[i]["adv"] = torch.full_like(tokens[i]["behav"], float(advantages[i]))
 
-    # 3) the valid tokens: within the cap, and M2PO's cut over the whole batch
+    # 3) the valid tokens: kept by the behaviour weight's mask, and M2PO's cut over the batch
+    n_masked = [0, 0]  # tokens, sequences
     for i in mine:
         t = tokens[i]
-        t["valid"] = objective.behaviour_weight_mask(
-            t["prox"], t["behav"], t["mask"], ppo.behav_imp_weight_cap
+        t["valid"] = objective.correction_mask(
+            t["prox"], t["behav"], t["mask"], [len(t["mask"])], ppo
         )
+        lost = int((t["mask"].bool() & ~t["valid"]).sum())
+        n_masked[0] += lost
+        n_masked[1] += lost > 0
     n_m2po = _m2po_mask(tokens, mine, ppo.m2po_tau, dp) if ppo.m2po_tau is not None else 0
 
     # 4) sequential minibatch updates
     keys = ["loss/ppo", *_TOKEN_MEANS[:3], *_COUNTS]
     keys += ["loss/kl_ref"] if ppo.kl_coef > 0 and ppo.kl_in == "loss" else []
     keys += ["loss/entropy"] if ppo.entropy_coef > 0 else []
+    if ppo.behav_imp_weight_mode == "truncate":
+        keys += ["loss/behav_truncated_tokens", "loss/behav_truncated_seqs"]
     stats = dict.fromkeys(keys, 0.0)
     if check_fresh:
         stats.update(dict.fromkeys(_FRESH, 0.0))
@@ -390,11 +437,16 @@ def train_step(
 
     if ppo.m2po_tau is not None:
         stats["loss/n_m2po_masked_tokens"] = float(n_m2po)
+    # (generated tokens out of the loss: loss/n_capped_tokens, this mask's and M2PO's)
+    stats["loss/behav_masked_tokens"], stats["loss/behav_masked_seqs"] = map(float, n_masked)
     stats = dp.reduce_stats(stats)
     n_tok = max(stats["loss/n_valid_tokens"], 1.0)
     for k in _TOKEN_MEANS:
         if k in stats:
             stats[k] /= n_tok
+    # M2PO's M2 before any mask: the mean of (log pi_prox/pi_behav)^2 over generated tokens
+    n_gen = stats.pop("loss/n_generated_tokens")
+    stats["loss/behav_m2"] = stats.pop("loss/behav_log_weight_sq_sum") / max(n_gen, 1.0)
     stats["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
     stats["reward/mean"] = rewards.mean().item()
     if not torch.equal(shaped, rewards):

@@ -51,6 +51,11 @@ OBJECTIVES = {
         loss_agg="seq_mean_token_sum_norm",
         loss_agg_norm_len=16,
     ),
+    # REINFORCE++'s per-token whitening: a mean and a variance over the tokens of all ranks
+    # (long-tailed lengths, so per-token and per-sequence statistics differ).
+    "reinforce_pp": PPOConfig(
+        recipe="reinforce_pp", kl_coef=0.0, behav_imp_weight_cap=2.0, n_minibatches=2
+    ),
 }
 STEP_ARGS = dict(
     ppo=OBJECTIVES["areal"],

@@ -1,7 +1,8 @@
 """Every knob of the objective against a reference written from its paper's formula.
 
 The references below are loops over sequences and tokens in float64, written from the
-papers (PPO, DAPO, GSPO, CISPO, M2PO, GRPO, Dr.GRPO, RLOO, REINFORCE++) and not from
+papers (PPO, DAPO, GSPO, CISPO, M2PO, SAPO, TIS, MIS, IcePop, GRPO, Dr.GRPO, RLOO,
+REINFORCE++) and not from
 areal/trainer/ppo.py's vectorised code; values and gradients must agree to 1e-6 on random
 packed streams.
 """
@@ -24,6 +25,7 @@ from areal.trainer.ppo import (
     norm_count,
     policy_loss,
     shape_rewards,
+    token_advantages,
     token_mask,
 )
 
@@ -82,6 +84,12 @@ def reference_loss(s, cfg: PPOConfig, theta: torch.Tensor, valid: torch.Tensor) 
         # GSPO: s_i = (prod_t pi/pi_old)^(1/|o_i|); its behaviour weight likewise.
         seq_log_ratio = sum(th[t] - pr[t] for t in idx) / len(idx)
         seq_log_w = sum(pr[t] - be[t] for t in idx) / len(idx)
+        # TIS: the weight at the correction's level, truncated into [floor, cap].
+        tis_w = {
+            "token": {t: math.exp(pr[t] - be[t]) for t in idx},
+            "sequence": dict.fromkeys(idx, math.prod(math.exp(pr[t] - be[t]) for t in idx)),
+            "geometric": dict.fromkeys(idx, math.exp(seq_log_w)),
+        }[cfg.behav_imp_weight_level]
         terms = []
         for t in idx:
             if cfg.importance_sampling_level == "token":
@@ -91,14 +99,25 @@ def reference_loss(s, cfg: PPOConfig, theta: torch.Tensor, valid: torch.Tensor) 
             else:  # GSPO-token: sg[s_i] * pi(t) / sg[pi(t)]
                 ratio = torch.exp(seq_log_ratio.detach()) * torch.exp(th[t] - th[t].detach())
                 w = math.exp(seq_log_w)
+            if cfg.behav_imp_weight_mode == "truncate":
+                w = tis_w[t]
+                if cfg.behav_imp_weight_cap is not None:
+                    w = min(w, cfg.behav_imp_weight_cap)
+                if cfg.behav_imp_weight_floor is not None:
+                    w = max(w, cfg.behav_imp_weight_floor)
             a = ad[t]
             clipped = torch.clamp(ratio, lo, hi)
             if cfg.loss == "ppo":
                 obj = torch.minimum(ratio * a, clipped * a)
                 if cfg.c_clip is not None and a < 0:
                     obj = torch.maximum(obj, cfg.c_clip * a)
-            else:  # CISPO: sg[clip(r)] * A * log pi
+            elif cfg.loss == "cispo":  # sg[clip(r)] * A * log pi, times M (MiniMax's mask)
                 obj = clipped.detach() * a * th[t]
+                if cfg.cispo_mask and ((a > 0 and ratio > hi) or (a < 0 and ratio < lo)):
+                    obj = obj.detach()
+            else:  # SAPO: f(r) = 4 / tau * sigmoid(tau (r - 1)), tau by the sign of A
+                tau = cfg.sapo_tau_pos if a > 0 else cfg.sapo_tau_neg
+                obj = 4 / tau / (1 + torch.exp(-tau * (ratio - 1))) * a
             term = -w * obj
             if cfg.kl_coef and cfg.kl_in == "loss":
                 log_r = th[t] - rf[t]
@@ -125,11 +144,27 @@ def reference_loss(s, cfg: PPOConfig, theta: torch.Tensor, valid: torch.Tensor) 
 
 
 def reference_valid(s, cfg: PPOConfig) -> torch.Tensor:
-    """Generated, within the cap, and M2PO: drop the largest (log w)^2 one value at a time
-    until the mean of the rest is <= tau."""
+    """Generated, within the behaviour weight's bounds (mask mode: the token's w, or its
+    sequence's product or geometric mean over its generated tokens), and M2PO: drop the
+    largest (log w)^2 one value at a time until the mean of the rest is <= tau."""
     valid = s["mask"].bool().clone()
-    if cfg.behav_imp_weight_cap is not None:
-        valid &= torch.exp(s["prox"] - s["behav"]) <= cfg.behav_imp_weight_cap
+    if cfg.behav_imp_weight_mode == "mask":
+        lo = cfg.behav_imp_weight_floor or 0.0
+        hi = cfg.behav_imp_weight_cap or math.inf
+        start = 0
+        for length in s["lens"]:
+            gen = [t for t in range(start, start + length) if s["mask"][t]]
+            ws = [math.exp(s["prox"][t] - s["behav"][t]) for t in gen]
+            if cfg.behav_imp_weight_level == "token":
+                keep = [lo <= w <= hi for w in ws]
+            else:
+                seq_w = math.prod(ws)
+                if cfg.behav_imp_weight_level == "geometric":
+                    seq_w = math.exp(sum(math.log(w) for w in ws) / max(len(ws), 1))
+                keep = [lo <= seq_w <= hi] * len(ws)
+            for t, k in zip(gen, keep, strict=True):
+                valid[t] = bool(k)
+            start += length
     if cfg.m2po_tau is not None:
         m2 = (s["prox"] - s["behav"]) ** 2
         kept = [i for i in range(len(m2)) if valid[i]]
@@ -158,11 +193,49 @@ KNOBS = {
     "kl_k3": dict(kl_coef=0.1, kl_estimator="k3", loss_agg="seq_mean_token_mean"),
     "entropy": dict(entropy_coef=0.01),
     "cap": dict(behav_imp_weight_cap=1.3),
+    "mask_floor": dict(behav_imp_weight_floor=0.8),
+    "mask_sequence": dict(behav_imp_weight_level="sequence", behav_imp_weight_cap=1.25),
+    "mask_geometric": dict(
+        behav_imp_weight_level="geometric", behav_imp_weight_floor=0.9, behav_imp_weight_cap=1.1
+    ),
+    "tis_token": dict(behav_imp_weight_mode="truncate", behav_imp_weight_cap=1.2),
+    "tis_token_floor": dict(
+        behav_imp_weight_mode="truncate", behav_imp_weight_floor=0.8, behav_imp_weight_cap=1.2
+    ),
+    "tis_sequence": dict(
+        behav_imp_weight_mode="truncate",
+        behav_imp_weight_level="sequence",
+        behav_imp_weight_floor=0.5,
+        behav_imp_weight_cap=1.5,
+    ),  # fmt: skip
+    "tis_geometric": dict(
+        behav_imp_weight_mode="truncate",
+        behav_imp_weight_level="geometric",
+        behav_imp_weight_cap=1.05,
+        loss_agg="seq_mean_token_mean",
+    ),  # fmt: skip
+    "tis_gspo": dict(
+        behav_imp_weight_mode="truncate",
+        behav_imp_weight_cap=1.1,
+        importance_sampling_level="sequence",
+        eps_clip=0.02,
+    ),  # fmt: skip
+    "sapo": dict(loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+    "sapo_sharp": dict(loss="sapo", sapo_tau_pos=3.0, sapo_tau_neg=5.0, c_clip=None),
+    "sapo_recipe": dict(recipe="sapo"),
+    "tis_recipe": dict(recipe="tis", behav_imp_weight_cap=1.2),
+    "mis_recipe": dict(recipe="mis", behav_imp_weight_cap=1.25),
+    "icepop_recipe": dict(recipe="icepop", behav_imp_weight_floor=0.8, behav_imp_weight_cap=1.25),
+    "seq_mask_tis_recipe": dict(
+        recipe="seq_mask_tis", behav_imp_weight_floor=0.9, behav_imp_weight_cap=1.1
+    ),
+    "mis_with_m2po": dict(recipe="mis", behav_imp_weight_cap=3.0, m2po_tau=0.03),
     "m2po": dict(m2po_tau=0.02),
     "gspo_recipe": dict(recipe="gspo", eps_clip=0.05, eps_clip_higher=0.06),
     "grpo_recipe": dict(recipe="grpo"),
     "dapo_recipe": dict(recipe="dapo"),
     "cispo_recipe": dict(recipe="cispo"),
+    "cispo_mask": dict(loss="cispo", cispo_mask=True, eps_clip=0.1, eps_clip_higher=0.1),
     "cispo_sequence": dict(loss="cispo", importance_sampling_level="sequence", eps_clip=0.01),
     "everything": dict(
         c_clip=2.0,
@@ -199,6 +272,53 @@ def test_loss_and_gradient_match_the_papers_formula(name, seed) -> None:
     assert (theta.grad - theta_ref.grad).abs().max().item() < TOL
     assert stats["loss/n_valid_tokens"] == valid.sum().item()
     assert theta.grad[~valid].abs().max().item() == 0.0  # masked tokens get no gradient
+    # The correction acts on these streams (a case that changes nothing proves nothing).
+    if cfg.behav_mask_bounds() != (None, None):
+        assert stats["loss/n_capped_tokens"] > 0
+    if cfg.behav_imp_weight_mode == "truncate":
+        assert stats["loss/behav_truncated_tokens"] > 0
+
+
+def test_truncation_counts_tokens_and_sequences() -> None:
+    """TIS's statistics against a count by hand: tokens whose clamped weight differs, and the
+    sequences holding one (at the sequence level, all tokens of a truncated sequence)."""
+    s = make_stream(0)
+    bounds = torch.tensor([0, *s["lens"]]).cumsum(0).tolist()
+    for level in ("token", "sequence"):
+        cfg = PPOConfig(behav_imp_weight_mode="truncate", behav_imp_weight_level=level,
+                        behav_imp_weight_cap=1.2)  # fmt: skip
+        _, stats = policy_loss(
+            s["theta"], s["prox"], s["behav"], s["adv"], s["mask"], s["lens"], cfg
+        )
+        tokens = seqs = 0
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            gen = [t for t in range(a, b) if s["mask"][t]]
+            ws = [math.exp(s["prox"][t] - s["behav"][t]) for t in gen]
+            over = [w > 1.2 for w in ws] if level == "token" else [math.prod(ws) > 1.2] * len(ws)
+            tokens += sum(over)
+            seqs += any(over)
+        assert (stats["loss/behav_truncated_tokens"], stats["loss/behav_truncated_seqs"]) == (
+            tokens,
+            seqs,
+        )
+        assert seqs > 0
+
+
+def test_sapo_gate_is_smooth_and_matches_the_paper_at_known_points() -> None:
+    """At u = 1 the gate's value is 2/tau and its slope 1 (PPO's there); far from 1 its
+    gradient fades instead of stopping at a clip edge."""
+    cfg = PPOConfig(loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=2.0)
+    prox = torch.zeros(3, dtype=torch.float64)
+    theta = torch.log(torch.tensor([1.0, 1.0, 3.0], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)
+    loss, _ = policy_loss(theta, prox, prox, adv, torch.ones(3), [1, 1, 1], cfg)
+    loss.backward()
+    gate_far = 4 / (1 + math.exp(-2.0))  # u = 3, tau 1
+    assert loss.item() == pytest.approx(-(2.0 - 1.0 + gate_far) / 3, abs=1e-12)
+    # d/dtheta of 4/tau sigmoid(tau (u - 1)) A at u: 4 s (1 - s) u A, / 3 tokens, negated
+    s_far = 1 / (1 + math.exp(-2.0))
+    expected = [-1 / 3, 1 / 3, -4 * s_far * (1 - s_far) * 3 / 3]
+    assert theta.grad.tolist() == pytest.approx(expected, abs=1e-12)
 
 
 def test_knobs_change_the_loss() -> None:
@@ -338,7 +458,7 @@ def reference_advantages(estimator: str) -> list[float]:
             out.append(ri - mean)
         elif estimator == "rloo":
             out.append(ri - (sum(mine) - ri) / (len(mine) - 1))
-        elif estimator in ("reinforce_pp", "norm"):
+        elif estimator in ("reinforce_pp_seq", "norm"):
             out.append((ri - statistics.fmean(r)) / (statistics.pstdev(r) + ADV_EPS))
         else:
             out.append(ri - mean)  # reinforce_pp_baseline: centred, then whitened below
@@ -349,13 +469,93 @@ def reference_advantages(estimator: str) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "estimator", ["norm", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+    "estimator", ["norm", "grpo", "dr_grpo", "rloo", "reinforce_pp_seq", "reinforce_pp_baseline"]
 )
 def test_advantage_estimators_match_their_papers(estimator) -> None:
     adv = compute_advantages(
         torch.tensor(REWARDS), torch.tensor(GROUPS), PPOConfig(adv_estimator=estimator)
     )
     assert adv.tolist() == pytest.approx(reference_advantages(estimator), abs=1e-5)
+
+
+def reference_reinforce_pp(rewards, masks, kls, kl_coef, truncated):
+    """REINFORCE++ (Hu 2025): per-token reward -kl_coef * KL_t, the outcome reward at the
+    end; A_t = the return from t (gamma 1), whitened over every generated token."""
+    returns = []  # (sequence, position, G_t) of every generated token
+    for i, (r, mask, kl) in enumerate(zip(rewards, masks, kls, strict=True)):
+        gen = [t for t in range(len(mask)) if mask[t]]
+        for t in gen:
+            returns.append((i, t, r - kl_coef * sum(float(kl[s]) for s in gen if s >= t)))
+    values = [g for _, _, g in returns]
+    mean, std = statistics.fmean(values), statistics.pstdev(values)
+    out = [torch.zeros(len(m), dtype=torch.float64) for m in masks]
+    for i, t, g in returns:
+        out[i][t] = 0.0 if truncated[i] else (g - mean) / (std + ADV_EPS)
+    return out
+
+
+@pytest.mark.parametrize("kl_in", ["reward", "loss"])
+def test_reinforce_pp_whitens_per_token_returns_over_the_batch(kl_in) -> None:
+    """The per-token form: exact against the loop, any split of the sequences over ranks
+    (sums added as the ranks' all-reduce would) gives the same, and it is not the
+    sequence-level form (sequences of different lengths weigh by their tokens)."""
+    g = torch.Generator().manual_seed(7)
+    lens = [3, 9, 5, 12, 4, 7, 6, 10]
+    masks = [torch.ones(n) for n in lens]
+    for m in masks:
+        m[: int(torch.randint(0, 3, (1,), generator=g))] = 0  # prompt-like positions
+    kls = [torch.rand(n, generator=g, dtype=torch.float64) * 0.5 for n in lens]
+    rewards = torch.randn(len(lens), generator=g, dtype=torch.float64) * 3
+    truncated = torch.tensor([False, True, False, False, False, False, True, False])
+    cfg = PPOConfig(recipe="reinforce_pp", kl_coef=0.2, kl_in=kl_in, mask_truncated=True)
+    expected = reference_reinforce_pp(
+        rewards.tolist(), masks, kls, 0.2 if kl_in == "reward" else 0.0, truncated.tolist()
+    )
+    whole = token_advantages(rewards, masks, cfg, kls=kls, truncated=truncated)
+    for a, e in zip(whole, expected, strict=True):
+        assert a.double().tolist() == pytest.approx(e.tolist(), abs=1e-6)
+
+    # Two "ranks" holding [0, 3, 5] and the rest. A collective's result is the sum of
+    # both ranks' arguments: run the ranks in rounds, each round learning one more sum.
+    parts = [[0, 3, 5], [1, 2, 4, 6, 7]]
+    known: list[list[float]] = []  # the sums over ranks of the collectives done so far
+    while True:
+        args, results = [], []
+        for p in parts:
+            calls = iter(range(100))
+
+            def reduce(xs, calls=calls, args=args):
+                j = next(calls)
+                if j < len(known):
+                    return known[j]
+                if j == len(known):
+                    args.append(xs)
+                return xs  # not known yet: this round's result is discarded
+
+            results.append(
+                token_advantages(
+                    rewards[p],
+                    [masks[i] for i in p],
+                    cfg,
+                    kls=[kls[i] for i in p],
+                    truncated=truncated[p],
+                    sum_over_ranks=reduce,
+                )  # fmt: skip
+            )
+        if not args:
+            break
+        known.append([sum(x) for x in zip(*args, strict=True)])
+    assert len(known) == 2  # the mean, then the variance
+    for p, got in zip(parts, results, strict=True):
+        for i, a in zip(p, got, strict=True):
+            assert a.double().tolist() == pytest.approx(expected[i].tolist(), abs=1e-6)
+    # The sequence-level form gives each sequence one value: not this.
+    seq = compute_advantages(rewards, None, PPOConfig(adv_estimator="reinforce_pp_seq"))
+    assert any(
+        abs(float(seq[i]) - float(whole[i][-1])) > 1e-3
+        for i in range(len(lens))
+        if not truncated[i]
+    )
 
 
 def test_norm_estimator_options() -> None:
@@ -420,6 +620,13 @@ def test_lengths_default_to_max_new_tokens() -> None:
         (["ppo.c_clip=0.5"], ["ppo.c_clip must be > 1"]),
         (["ppo.prox_approx=loglinear", "ppo.m2po_tau=0.04"], ["cannot be combined", "m2po_tau"]),
         (["ppo.prox_approx=loglinear", "ppo.use_decoupled_loss=false"], ["use_decoupled_loss"]),
+        (["ppo.prox_approx=loglinear", "ppo.recipe=icepop"], ["behav_imp_weight_mode=truncate"]),
+        (["ppo.behav_imp_weight_floor=1.5"], ["behav_imp_weight_floor must be in (0, 1)"]),
+        (["ppo.behav_imp_weight_mode=clip"], ["mask, truncate"]),
+        (["ppo.behav_imp_weight_level=seq"], ["token, sequence, geometric"]),
+        (["ppo.loss=sapo"], ["ppo.recipe=sapo sets them"]),
+        (["ppo.cispo_mask=true"], ["CISPO's token mask", "use loss=cispo"]),
+        (["ppo.recipe=sapo", "ppo.sapo_tau_neg=0"], ["sapo_tau_neg"]),
         (["ppo.recipe=grpo", "rollout.group_size=1"], ["needs rollout.group_size >= 2"]),
         (["ppo.importance_sampling_level=seq"], ["token, sequence, sequence_token"]),
         (["ppo.kl_estimator=k4"], ["k1, k2, k3"]),

@@ -394,6 +394,36 @@ def test_cap_counts_tokens_whose_behaviour_weight_exceeds_it(model_dir, trajecto
     assert stats["loss/n_capped_tokens"] == n_capped
     assert stats["loss/n_valid_tokens"] == len(weights) - n_capped
     assert stats["loss/behav_weight_max"] <= cap
+    assert stats["loss/behav_masked_tokens"] == n_capped
+    assert stats["loss/behav_masked_seqs"] == sum(
+        bool((torch.exp(-n) > cap).any()) for n in trajectories["noise"]
+    )
+
+
+def test_sequence_mask_and_truncation_in_train_step(model_dir, trajectories) -> None:
+    """MIS drops whole sequences whose product of weights exceeds the cap, counted as such;
+    TIS keeps every token and counts those whose weight it clamped, through the trainer."""
+    trajs, noise = trajectories["perturbed"], trajectories["noise"]
+    products = [math.exp(-float(n.sum())) for n in noise]  # w = exp(-noise) per token
+    ordered = sorted(products)  # a cap halfway between two products: half exceed it
+    cap = (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+    over = [p > cap for p in products]
+    assert 0 < sum(over) < len(over)
+    _, stats = run_step(model_dir, trajs, recipe="mis", behav_imp_weight_cap=cap, n_minibatches=2)
+    dropped = sum(len(n) for n, o in zip(noise, over, strict=True) if o)
+    assert (stats["loss/behav_masked_seqs"], stats["loss/behav_masked_tokens"]) == (
+        sum(over), dropped
+    )  # fmt: skip
+    assert stats["loss/n_valid_tokens"] == sum(len(n) for n in noise) - dropped
+    # TIS at the token level, cap 1.1: nothing masked, the weights above it clamped.
+    _, stats = run_step(model_dir, trajs, recipe="tis", behav_imp_weight_cap=1.1, n_minibatches=2)
+    weights = torch.exp(-torch.cat(noise))
+    assert stats["loss/behav_truncated_tokens"] == int((weights > 1.1).sum()) > 0
+    assert stats["loss/behav_truncated_seqs"] == sum(
+        bool((torch.exp(-n) > 1.1).any()) for n in noise
+    )
+    assert stats["loss/n_valid_tokens"] == len(weights)
+    assert stats["loss/behav_weight_max"] <= 1.1 + 1e-6
 
 
 # ---------------------------------------------------------------- fresh tokens' check
