@@ -97,8 +97,8 @@ def connect(address: str) -> None:
     if (why := reachable(address)) is not None:
         raise ConfigError(
             f"launcher.type=ray found no Ray cluster at launcher.ray_address={address!r}: "
-            f"{why}. Start one (`ray start --head --port=PORT`; README: a Ray cluster on one "
-            "machine), or set launcher.ray_address to its head's HOST:PORT"
+            f"{why}. Start one (`ray start --head --port=PORT`; docs/get-started/ray.md: "
+            "a Ray cluster on one machine), or set launcher.ray_address to its head's HOST:PORT"
         )
     try:
         ray.init(

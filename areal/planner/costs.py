@@ -266,14 +266,14 @@ def load_profile(path: str | Path) -> Profile:
     return profile_from_dict(d, str(path))
 
 
-# ---- the GPU profile: the README's H200 figures ---------------------------------------------
+# ---- the GPU profile: the H200 figures of docs/benchmarks/gpu.md ----------------------------
 
 # DeepSeek-R1-Distill-Qwen-1.5B (Qwen2): 28 layers, 2 KV heads of 128, bf16.
 _KV_BYTES_PER_TOKEN = 28 * 2 * 2 * 128 * 2
 _H200_BANDWIDTH = 4.8e12  # bytes/s, the card's HBM3e (datasheet)
 _H200_MEMORY = 141e9
-_WEIGHTS_BYTES = 3.5e9  # README, handoff.py: weights/vN of the 1.5B shape
-# README "Measured on GPU": the embedded engine decodes 3,546 tok/s at batch 64 and
+_WEIGHTS_BYTES = 3.5e9  # docs/benchmarks/gpu.md, handoff.py: weights/vN of the 1.5B shape
+# docs/benchmarks/gpu.md: the embedded engine decodes 3,546 tok/s at batch 64 and
 # 13,843 at batch 256 (256 new tokens, short prompts: the cache term is small there).
 _DECODE_64, _DECODE_256 = 64 / 3546, 256 / 13843  # seconds a step
 # megatron_mfu.py: 42,670 tok/s an update (forward + backward + Adam) at 8 x 2,048 tokens.
@@ -287,7 +287,7 @@ _ACHIEVED_FLOPS = 418e12  # megatron_mfu.py's 418 TFLOP/s
 def gpu_h200(
     prompt_len: float = 300.0, median_len: float = 5000.0, sigma: float = 0.9, between: float = 0.5
 ) -> Profile:
-    """The 1.5B model on H200s, from the README's GPU rows; see `notes` for what is assumed."""
+    """The 1.5B model on H200s, from docs/benchmarks/gpu.md's rows; `notes` say what is assumed."""
     row_s = (_DECODE_256 - _DECODE_64) / (256 - 64)
     return Profile(
         device="gpu",
@@ -309,12 +309,12 @@ def gpu_h200(
         lengths=Lengths(prompt_len=prompt_len, lognormal=(median_len, sigma, between)),
         group_overhead_s=0.05,
         kv_budget=int((0.85 * _H200_MEMORY - _WEIGHTS_BYTES) / _KV_BYTES_PER_TOKEN),
-        source="README 'Measured on GPU' (one H200, the 1.5B shape, bf16)",
+        source="'Measured on GPU', docs/benchmarks/gpu.md (one H200, the 1.5B shape, bf16)",
         notes=[
             "decode step_s/row_s: the embedded engine's 18 ms steps at batch 64 and 256 "
             "(SGLang, which the paper serves with, steps faster: not measured here)",
             "decode cell_s: the 1.5B model's KV cache (28 KB a token) read at 70% of the "
-            "H200's 4.8 TB/s (assumed; the README measured no long-context GPU step)",
+            "H200's 4.8 TB/s (assumed; docs/benchmarks/gpu.md has no long-context GPU step)",
             "prefill: a third of a training token's cost (a forward of the 42,670 tok/s update)",
             "train: megatron 42,670 tok/s per GPU at 2k-token sequences, data parallel "
             "scaling linear in the training GPUs (assumed); attention's L^2 term from FLOPs at "

@@ -65,7 +65,8 @@ def test_tiny_run_on_one_shared_gpu_with_megatron_in_bf16_learns(tmp_path):
     metrics = read_metrics(exp)
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     # bf16 inference against the bf16 trainer on the same weights: close, not equal (about
-    # 1e-2 in bfloat16, 0.033 in README's H200 run; float32 would be about 1e-6 here).
+    # 1e-2 in bfloat16, 0.033 in the H200 run of docs/benchmarks/gpu.md; float32 would be
+    # about 1e-6 here).
     diffs = [m["train/fresh_logprob_diff_max"] for m in metrics if m["train/fresh_tokens"]]
     assert diffs and max(diffs) < 0.5, diffs
     print(f"fresh_logprob_diff_max: median {sorted(diffs)[len(diffs) // 2]:.4f}, max {max(diffs)}")

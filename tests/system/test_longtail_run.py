@@ -33,8 +33,9 @@ def test_longtail_run_is_bounded_interrupted_and_long_tailed(tmp_path):
     assert max(m["staleness/max"] for m in metrics) >= 1  # asynchronous in fact
     assert sum(m["rollout/multi_version_samples"] for m in metrics) > 0
     # The server's log-probs of fresh tokens are the trainer's. Long answers in float32: up
-    # to a few 1e-5 (README; 1.3e-6 to 9.5e-6 a step over a 40-step run), more than short
-    # ones' 1e-6; a policy that differs (weights not loaded) is off by 1e-2 or more.
+    # to a few 1e-5 (docs/get-started/reading-a-run.md; 1.3e-6 to 9.5e-6 a step over a
+    # 40-step run), more than short ones' 1e-6; a policy that differs (weights not loaded) is
+    # off by 1e-2 or more.
     gaps = sorted(m["train/fresh_logprob_diff_max"] for m in metrics if m["train/fresh_tokens"])
     assert gaps and gaps[len(gaps) // 2] < 1e-4 and gaps[-1] < 1e-3, gaps
     batches = [json.loads(line) for line in (exp / "batches.jsonl").read_text().splitlines()]

@@ -53,9 +53,9 @@ def vllm_processes(exp_dir: Path) -> list[int]:
 
 
 def test_a_tiny_run_on_vllm_learns_and_survives_a_killed_server(tmp_path):
-    """The README's vLLM run: every trained token's behaviour log-prob is vLLM's and equals
-    the trainer's for fresh tokens, updates interrupt generation mid-sample, the reward
-    rises; a SIGKILLed vLLM server (with its engine processes) is restarted, reloads the
+    """The vLLM run of docs/guides/inference.md: every trained token's behaviour log-prob is
+    vLLM's and equals the trainer's for fresh tokens, updates interrupt generation mid-sample,
+    the reward rises; a SIGKILLed vLLM server (with its engine processes) is restarted, reloads the
     newest weights, and the run goes on to its last step. Its server closes connections idle
     for 1 s (uvicorn's default is 5): until the kill, no server is down and no sample is
     resubmitted (requests that meet a connection it has just closed are sent again)."""
