@@ -12,7 +12,7 @@
 set -euo pipefail
 
 src="$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)"
-work="$(mktemp -d "${TMPDIR:-/tmp}/areal-fresh.XXXXXX")"
+work="$(mktemp -d "${TMPDIR:-/tmp}/fresh-suite.XXXXXX")"
 [[ "${KEEP:-0}" == 1 ]] || trap 'rm -rf "$work"' EXIT
 echo "fresh_suite: $(git -C "$src" rev-parse --short HEAD) in $work (uncommitted changes are not in it)"
 git clone --quiet --no-hardlinks "$src" "$work/areal"

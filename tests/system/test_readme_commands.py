@@ -35,8 +35,11 @@ def doc_command(page: str, marker: str) -> list[str]:
 
 
 def run(argv: list[str], tmp_path: Path, *extra: str, timeout: float = 300):
-    argv = [a.replace("/tmp/areal", str(tmp_path)).replace("/tmp/merged", str(tmp_path / "m"))
-            for a in argv]  # fmt: skip
+    # The paths the page names, not the interpreter's (which may lie under /tmp/areal-...).
+    argv = argv[:1] + [
+        a.replace("/tmp/areal", str(tmp_path)).replace("/tmp/merged", str(tmp_path / "m"))
+        for a in argv[1:]
+    ]
     start = time.monotonic()
     proc = subprocess.run(
         [*argv, *extra], capture_output=True, text=True, timeout=timeout, cwd=ROOT
