@@ -12,8 +12,12 @@ for its keep-alive (uvicorn, under vLLM and SGLang: 5 s; the embedded server: 75
 configured), and a request sent on it just then fails at once (ServerDisconnectedError,
 or ClientOSError "Can not write request body") although the server is fine. So idle
 connections are kept for KEEPALIVE_S only, shorter than the servers', and a request that fails
-on a reused connection before any answer came is sent once more on a fresh connection; only
-a failure on a fresh connection raises ServerDied.
+on a reused connection before any answer came is sent again on a fresh connection. A fresh
+connection the server accepted and then closed before answering is not the verdict either:
+under load a request can reach a server after its keep-alive has closed even a new
+connection (seen with a 0.1 s keep-alive on two busy cores), so it is sent on a new one up to
+FRESH_TRIES times. A dead server refuses the next connection, so ServerDied still comes at
+once: on a refused connection, on a failure after the answer began, or after FRESH_TRIES.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from areal.rollout.sglang_api import error_message
 log = logging.getLogger("areal.rollout")
 
 _HEALTH_POLL_S = 0.2
+FRESH_TRIES = 3
+"""Fresh connections a request that met closed ones is sent on before ServerDied."""
 KEEPALIVE_S = 2.0
 """Seconds an idle connection is kept for the next request: under uvicorn's 5 s (vLLM,
 SGLang) by more than a scheduling hiccup, so the client drops it before the server does."""
@@ -91,9 +97,8 @@ class HttpClient:
         return self._session
 
     def _new_session(self, keepalive: bool) -> aiohttp.ClientSession:
-        """The client's session (keepalive: idle connections kept for KEEPALIVE_S, and
-        their reuse noted in a request's trace_request_ctx), or one whose connections
-        each serve one request."""
+        """The client's session (keepalive: idle connections kept for KEEPALIVE_S), or one
+        whose connections each serve one request."""
         if keepalive:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         else:
@@ -102,28 +107,32 @@ class HttpClient:
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=self.timeout),
             headers=auth_header(self.api_key),
-            trace_configs=[_REUSE_TRACE] if keepalive else None,
         )
 
     async def _call(
         self, method: str, path: str, body: Any, ok_statuses: tuple[int, ...] = (200,)
     ) -> Any:
         """JSON (or text) of the answer; RuntimeError with the server's message otherwise,
-        ServerDied when the connection is refused, reset or closed before the answer (on a
-        fresh connection: a reused one that fails before any answer is not the verdict)."""
+        ServerDied when the connection is refused, reset after the answer began, or closed
+        before it on FRESH_TRIES fresh connections in a row (module docstring)."""
         session = await self._get_session()
         try:
             status, raw = await self._send(session, method, path, body)
-        except _StaleConnection as stale:
-            # Sent on a connection the server had already closed: not an answer from the
-            # server, so once more on a connection of its own.
-            log.info("%s %s%s failed on a reused connection (%r); sending it again on a "
-                      "fresh one", method, self.base_url, path, stale.cause)  # fmt: skip
-            async with self._new_session(keepalive=False) as fresh:
-                try:
-                    status, raw = await self._send(fresh, method, path, body)
-                except _StaleConnection as e:  # not reused, so it cannot be stale
-                    raise ServerDied(self.base_url, f"{method} {path}", e.cause) from e.cause
+        except _ClosedBeforeAnswer as closed:
+            # Most often sent on an idle connection the server had just closed: not an answer
+            # from the server, so again on connections of its own.
+            for attempt in range(1, FRESH_TRIES + 1):
+                log.info("%s %s%s: its connection was closed before the answer (%r); sending "
+                         "it on a fresh one (%d/%d)", method, self.base_url, path, closed.cause,
+                         attempt, FRESH_TRIES)  # fmt: skip
+                async with self._new_session(keepalive=False) as fresh:
+                    try:
+                        status, raw = await self._send(fresh, method, path, body)
+                        break
+                    except _ClosedBeforeAnswer as e:
+                        closed = e
+            else:
+                raise ServerDied(self.base_url, f"{method} {path}", closed.cause) from closed.cause
         try:
             content: Any = json.loads(raw) if raw.strip() else None
         except ValueError:
@@ -137,42 +146,31 @@ class HttpClient:
     async def _send(
         self, session: aiohttp.ClientSession, method: str, path: str, body: Any
     ) -> tuple[int, bytes]:
-        """(status, body) of one request; _StaleConnection when it failed on a reused
-        connection before an answer began, ServerDied on any other connection failure."""
-        trace = {"reused": False}
+        """(status, body) of one request; _ClosedBeforeAnswer when its connection (a new one
+        the server accepted, or a reused one) was closed before an answer began, ServerDied on
+        any other connection failure (refused, reset after the answer began)."""
         answered = False
         try:
-            async with session.request(
-                method, self.base_url + path, json=body, trace_request_ctx=trace
-            ) as resp:
+            async with session.request(method, self.base_url + path, json=body) as resp:
                 answered = True
                 return resp.status, await resp.read()
         except aiohttp.ServerTimeoutError:
             raise  # slow, not dead: an asyncio.TimeoutError for the caller
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            if trace["reused"] and not answered and not isinstance(e, aiohttp.ClientConnectorError):
-                raise _StaleConnection(e) from e
+            if not answered and not isinstance(e, aiohttp.ClientConnectorError):
+                raise _ClosedBeforeAnswer(e) from e
             raise ServerDied(self.base_url, f"{method} {path}", e) from e
         except (aiohttp.ClientConnectionError, ConnectionError) as e:
             raise ServerDied(self.base_url, f"{method} {path}", e) from e
 
 
-class _StaleConnection(Exception):
-    """A request failed on a reused connection before any answer: the server had closed it."""
+class _ClosedBeforeAnswer(Exception):
+    """A request's connection was closed before any answer: the server closed it (idle), or
+    died; the next connection tells which."""
 
     def __init__(self, cause: BaseException) -> None:
         super().__init__(repr(cause))
         self.cause = cause
-
-
-async def _note_reuse(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
-    if ctx.trace_request_ctx is not None:
-        ctx.trace_request_ctx["reused"] = True
-
-
-_REUSE_TRACE = aiohttp.TraceConfig()
-_REUSE_TRACE.on_connection_reuseconn.append(_note_reuse)
-_REUSE_TRACE.freeze()
 
 
 class AdapterGate:
