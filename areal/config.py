@@ -110,7 +110,7 @@ class ModelConfig(Section):
     tiny_layers: int = 2
     """Transformer layers of the tiny model (used only when path is empty)."""
     tiny_heads: int = 4
-    """Attention heads of the tiny model (half as many KV heads, but at least two); vLLM needs tiny_hidden / tiny_heads >= 32."""  # noqa: E501
+    """Attention heads of the tiny model (from four up half as many KV heads, below that one each); vLLM needs tiny_hidden / tiny_heads >= 32."""  # noqa: E501
     tiny_warmup_steps: int = 200
     """Supervised warm-up steps of the tiny model, so RL starts from a model that knows the format."""  # noqa: E501
     dtype: str = "float32"
