@@ -345,11 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         if not (Path(args.model) / "config.json").is_file():
             raise ConfigError(f"--model {args.model!r} holds no config.json: give an HF model dir")
         resolve_settings(args)
-        from transformers import AutoTokenizer
-
         from areal.data.dataset import tokenize_rows
+        from areal.models.tokenizer import load_tokenizer
 
-        args.tokenizer = AutoTokenizer.from_pretrained(args.model)
+        args.tokenizer = load_tokenizer(args.model)
         rows = tokenize_rows(load_problems(args), args.tokenizer, args.max_prompt_len)
     except (ConfigError, ValueError) as e:
         print(f"areal.eval: error: {e}", file=sys.stderr)

@@ -205,10 +205,10 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
     """Every role of the run in this process (the experiment directory prepared by
     train.prepare_experiment); returns the exit code, as a launcher's run()."""
     import torch
-    from transformers import AutoTokenizer
 
     from areal.controller.failures import NO_PROGRESS_EXIT, NoProgress
     from areal.data.dataset import load_rows, tokenize_rows
+    from areal.models.tokenizer import load_tokenizer
     from areal.rollout.backends import load_backend
     from areal.rollout.engine import DecodeEngine
     from areal.trainer.parallel import DataParallel
@@ -225,7 +225,7 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
             "trainer.parallel.dp=tp=pp=1"
         )
     inf = cfg.inference
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
     rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
     lora = cfg.model.lora.enabled  # a LoRA checkpoint's model/ is the adapter: base + it
     model_dir = str(resume_from.model_dir) if resume_from and not lora else cfg.model.path

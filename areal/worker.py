@@ -19,6 +19,7 @@ from areal.comm.registry import Registry, load_key
 from areal.comm.rpc import RpcServer
 from areal.config import ExperimentConfig, load_config
 from areal.events import events_path
+from areal.models.tokenizer import load_tokenizer
 
 # "server" registers inference server k and becomes it (areal/rollout/launch.py).
 ROLES = ("server", "controller", "rollout", "reward", "trainer")
@@ -45,8 +46,8 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
         from areal.data_plane import TrajectoryStore
 
         store = TrajectoryStore(f"rollout{index}")
-        # Loaded (transformers imported) on a thread while the server starts.
-        tokenizer = asyncio.get_running_loop().run_in_executor(None, _tokenizer, cfg.model.path)
+        # Loaded on a thread while the server starts.
+        tokenizer = asyncio.get_running_loop().run_in_executor(None, load_tokenizer, cfg.model.path)
         reward = RpcClient(registry.lookup("reward", 0, timeout=timeout + 60), key)
     url = registry.lookup("server", index, timeout=timeout)
     fatal: list[Exception] = []  # recovery gave up on the server: this process ends with it
@@ -92,12 +93,6 @@ async def _rollout(cfg: ExperimentConfig, index: int, key: bytes) -> None:
         raise fatal[0]
 
 
-def _tokenizer(path: str) -> object:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 async def _reward(cfg: ExperimentConfig, index: int, key: bytes) -> None:
     from areal.reward.service import RewardService
 
@@ -113,14 +108,12 @@ async def _reward(cfg: ExperimentConfig, index: int, key: bytes) -> None:
 
 
 def _controller(cfg: ExperimentConfig, key: bytes) -> None:
-    from transformers import AutoTokenizer
-
     from areal.checkpoint import latest
     from areal.controller.controller import run_controller
     from areal.controller.failures import NO_PROGRESS_EXIT, NoProgress
     from areal.data.dataset import load_rows, tokenize_rows
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
     rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
     try:

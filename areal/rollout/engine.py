@@ -51,10 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from areal.cores import Cores
 from areal.lora import is_adapter_dir
+from areal.models.tokenizer import load_tokenizer
 from areal.rollout.activity import DecodeMeter
 from areal.rollout.generation import PAUSE_MODES, GenerationResult, Request, SamplingParams
 from areal.rollout.kv_cache import KVCache
@@ -143,7 +144,7 @@ class DecodeEngine:
             raise ValueError(f"model directory {model_path} does not exist")
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            tokenizer = load_tokenizer(model_path)
         except (OSError, ValueError):  # a weights-only directory: token ids in, token ids out
             tokenizer = None
         return cls(model, tokenizer, model_path=str(model_path), **kwargs)
