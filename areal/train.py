@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from areal.config import ConfigError, ExperimentConfig, load_config, save_config
+from areal.process import exit_now
 
 if TYPE_CHECKING:
     from areal.checkpoint import Checkpoint
@@ -282,4 +283,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

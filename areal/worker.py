@@ -20,6 +20,7 @@ from areal.comm.rpc import RpcServer
 from areal.config import ExperimentConfig, load_config
 from areal.events import events_path
 from areal.models.tokenizer import load_tokenizer
+from areal.process import exit_now
 
 # "server" registers inference server k and becomes it (areal/rollout/launch.py).
 ROLES = ("server", "controller", "rollout", "reward", "trainer")
@@ -155,3 +156,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

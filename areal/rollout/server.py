@@ -42,6 +42,7 @@ from aiohttp.typedefs import Handler
 from areal import events, rolelog
 from areal.config import DTYPES
 from areal.cores import role_cores
+from areal.process import exit_now
 from areal.rollout import sglang_api as api
 from areal.rollout.activity import ServerActivity
 from areal.rollout.auth import API_KEY_ENV, require_api_key, weights_path_problem
@@ -373,4 +374,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
