@@ -105,8 +105,28 @@ def plan_grid(
                 setattr(s, name, getattr(s, name) // k)
             result = simulate(profile, s)
             result.throughput *= k  # the whole run's: every part was k times smaller
+            result.trajectories_per_s *= k
+            limit_by_controller(result, profile.controller.get(cfg.rollout.data_plane))
             points.append(Point(label, n, f, eta, result))
     return points
+
+
+def limit_by_controller(result: Result, traj_s: float | None) -> None:
+    """The controller is one process: at traj_s CPU seconds a trajectory its core admits,
+    gates and hands out at most 1 / traj_s trajectories a second, whatever the cluster. A plan
+    that needs more runs at that rate, the controller its bottleneck (first order: the
+    simulation leaves the controller out, and its work does not overlap itself)."""
+    if traj_s is None:
+        return
+    need = result.trajectories_per_s
+    result.controller_cores = need * traj_s
+    if result.controller_cores > 1:
+        result.throughput /= result.controller_cores
+        result.trajectories_per_s = 1 / traj_s
+        result.bottleneck = (
+            f"the controller (its one core handles {1 / traj_s:,.0f} trajectories/s; the rest "
+            f"of this plan would train {need:,.0f})"
+        )
 
 
 SCALED = ("n_servers", "trainer_devices", "batch_size", "max_concurrent")
@@ -137,7 +157,7 @@ def recommend(points: list[Point]) -> Point:
 def format_grid(points: list[Point]) -> str:
     lines = [
         f"{'':<46} {'eta':>4} {'tok/s':>10} {'stale mean':>10} {'max':>4} "
-        f"{'servers idle':>12} {'trainer idle':>12}  bottleneck"
+        f"{'servers idle':>12} {'trainer idle':>12} {'controller':>10}  bottleneck"
     ]
     for p in points:
         r = p.result
@@ -145,14 +165,28 @@ def format_grid(points: list[Point]) -> str:
         lines.append(
             f"{p.label:<46} {p.eta:>4} {r.throughput:>10,.0f} {r.staleness_mean:>10.2f} "
             f"{r.staleness_max:>4} {100 * sum(servers) / len(servers):>11.0f}% "
-            f"{100 * r.idle['trainer0']:>11.0f}%  {r.bottleneck}"
+            f"{100 * r.idle['trainer0']:>11.0f}% {_core_share(r.controller_cores):>10}  "
+            f"{r.bottleneck}"
         )
     best = recommend(points)
     lines.append(
         f"recommended: {best.label}, max_staleness={best.eta} "
         f"({best.result.throughput:,.0f} tok/s predicted; bottleneck: {best.result.bottleneck})"
     )
+    r = best.result
+    if r.controller_cores is not None and r.controller_cores <= 1 and r.trajectories_per_s:
+        limit = r.trajectories_per_s / r.controller_cores
+        lines.append(
+            f"controller: {100 * r.controller_cores:.0f}% of its one core for "
+            f"{r.trajectories_per_s:,.0f} trajectories/s; it would set the pace from "
+            f"{limit:,.0f} a second, {limit / r.trajectories_per_s:,.0f}x this plan's"
+        )
     return "\n".join(lines)
+
+
+def _core_share(cores: float | None) -> str:
+    """The controller's column: the share of its core it needs ("-": not measured)."""
+    return "-" if cores is None else f"{100 * cores:.0f}% core"
 
 
 def _ints(text: str) -> list[int]:

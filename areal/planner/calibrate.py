@@ -6,7 +6,8 @@ pooled: the config as it is, and the same at max_staleness=0 for the speed-up of
     events/trainer*.jsonl  update spans: seconds ~ tokens, seqs, (micro-batches); proximal
                            spans likewise; borrow spans -> which of them ran on lent cores;
                            publish -> publish_s; what lies between the spans -> step_s
-    events/controller0     update_weights beyond the slowest load -> fanout_s
+    events/controller0     update_weights beyond the slowest load -> fanout_s; its CPU
+                           samples over the trajectories trained -> controller[data plane]
     batches.jsonl          output lengths, by group (group_size consecutive samples)
 
 Least squares with coefficients kept >= 0 (a cost is never negative: a column whose
@@ -361,6 +362,37 @@ def group_overhead(runs: list[Run], notes: list[str]) -> float:
     return value
 
 
+def fit_controller(runs: list[Run], notes: list[str]) -> dict[str, float]:
+    """The controller's CPU seconds per trajectory trained, by the runs' data planes: its CPU
+    samples from the first published version on (start-up left out), over the trajectories
+    of the steps published meanwhile."""
+    totals: dict[str, list[float]] = {}  # plane -> [CPU seconds, trajectories]
+    for run in runs:
+        published = sorted(e["end"] for e in _spans(run, "trainer0", "publish"))
+        samples = [
+            e for e in run.cpu if e["role"] == "controller0" and published
+            and e["start"] >= published[0]
+        ]  # fmt: skip
+        if not samples:
+            continue
+        until = max(e["end"] for e in samples)
+        steps = sum(1 for t in published[1:] if t <= until)
+        per_step = int((run.config.get("trainer") or {}).get("batch_size", 0)) * _group_size(run)
+        plane = str((run.config.get("rollout") or {}).get("data_plane", "pull"))
+        cpu, n = totals.setdefault(plane, [0.0, 0.0])
+        totals[plane] = [cpu + sum(e["cpu_s"] for e in samples), n + steps * per_step]
+    costs = {plane: cpu / n for plane, (cpu, n) in totals.items() if n > 0}
+    for plane, (cpu, n) in totals.items():
+        if n > 0:
+            notes.append(
+                f"controller ({plane}): {1000 * costs[plane]:.3f} ms of CPU per trajectory "
+                f"({cpu:.1f} s over {n:,.0f} trajectories)"
+            )
+    if not costs:
+        notes.append("controller: no CPU samples after the first version; left out")
+    return costs
+
+
 def _group_size(run: Run) -> int:
     group_size = int((run.config.get("rollout") or {}).get("group_size", 0))
     if group_size < 1:
@@ -399,6 +431,7 @@ def calibrate(run_dirs: str | Path | list, cores: int | None = None) -> Profile:
         handoff=fit_handoff(runs),
         lengths=fit_lengths(runs[0], _group_size(runs[0])),
         group_overhead_s=group_overhead(runs, notes),
+        controller=fit_controller(runs, notes),
         source=" + ".join(str(Path(d).resolve()) for d in dirs),
         notes=notes + [f"cores: {cores} (the machine the profile was made on, unless given)"],
     )

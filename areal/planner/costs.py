@@ -8,6 +8,8 @@
                     + minibatch_s) / speedup          (a PPO minibatch: forward, backward, step)
     a step also  = step_s outside those spans (batch decoding, metrics), rpc_s floor of get_batch
     hand-off     = publish_s (trainer) + fanout_s (controller) ; load_s (each server)
+    controller   = controller[data plane] CPU seconds per trajectory on its one core: a plan
+                   that needs more trajectories a second than 1 / that runs at that limit
     lengths      = the output lengths of whole groups (resampled), or a lognormal
 
 `cells` is the KV cache the step reads: on a GPU (paged attention) its rows' contexts (prompt +
@@ -165,6 +167,10 @@ class Profile:
     from admission to the server, and from the last sample to the buffer."""
     kv_budget: int = 0
     """GPU: tokens of KV cache per server (0: unbounded, as on a CPU's memory)."""
+    controller: dict[str, float] = field(default_factory=dict)
+    """CPU seconds the controller, one Python process, spends per trajectory trained (admission,
+    the staleness gate, the buffer, get_batch), by rollout.data_plane; a plane not listed is
+    not measured, and the plan leaves the controller out."""
     source: str = ""
     notes: list[str] = field(default_factory=list)
     """What is assumed rather than measured."""
@@ -216,6 +222,17 @@ def _section(d: dict, name: str, cls: type, where: str):
     return obj
 
 
+def _controller(d: object, where: str) -> dict[str, float]:
+    if not isinstance(d, dict) or not all(
+        isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in d.values()
+    ):
+        raise ConfigError(
+            f"{where}: controller must map a data plane to CPU seconds per trajectory, e.g. "
+            '{"pull": 0.00025}'
+        )
+    return {str(k): float(v) for k, v in d.items()}
+
+
 def profile_from_dict(d: dict, where: str = "profile") -> Profile:
     """A Profile from its JSON form; ConfigError naming what is wrong and what to do."""
     if not isinstance(d, dict):
@@ -244,6 +261,7 @@ def profile_from_dict(d: dict, where: str = "profile") -> Profile:
         cores=int(d.get("cores", 0)),
         group_overhead_s=float(d.get("group_overhead_s", 0.0)),
         kv_budget=int(d.get("kv_budget", 0)),
+        controller=_controller(d.get("controller", {}), where),
         source=str(d.get("source", "")),
         notes=list(d.get("notes", [])),
     )
@@ -280,6 +298,9 @@ _DECODE_64, _DECODE_256 = 64 / 3546, 256 / 13843  # seconds a step
 _TRAIN_TOK_S = 42670.0
 _ADAM_S = 0.034  # the profile of an update: Adam's multi-tensor kernels, about 34 ms
 _PUBLISH_S, _LOAD_S = 4.489, 0.381  # handoff.py --shapes 1.5b --backend megatron
+# benchmarks/data_plane.py (fake servers, ~8k-token trajectories, the real controller on one
+# of two loaded cores): the controller's CPU per trajectory with each data plane.
+_CONTROLLER_S = {"pull": 0.234e-3, "relay": 5.68e-3}
 _ATTN_FLOPS_PER_SQ = 6 * 28 * 1536  # causal attention (2 L^2 d a layer) x 3 for fwd + bwd
 _ACHIEVED_FLOPS = 418e12  # megatron_mfu.py's 418 TFLOP/s
 
@@ -309,6 +330,7 @@ def gpu_h200(
         lengths=Lengths(prompt_len=prompt_len, lognormal=(median_len, sigma, between)),
         group_overhead_s=0.05,
         kv_budget=int((0.85 * _H200_MEMORY - _WEIGHTS_BYTES) / _KV_BYTES_PER_TOKEN),
+        controller=dict(_CONTROLLER_S),
         source="'Measured on GPU', docs/benchmarks/gpu.md (one H200, the 1.5B shape, bf16)",
         notes=[
             "decode step_s/row_s: the embedded engine's 18 ms steps at batch 64 and 256 "
@@ -327,6 +349,8 @@ def gpu_h200(
             "tokens",
             "KV budget: 85% of 141 GB less the weights; the H200's figures stand in for the "
             "paper's H800s",
+            "controller: 0.234 ms of CPU per trajectory pulled, 5.68 ms relayed "
+            "(benchmarks/data_plane.py on this project's 2-core CPU machine)",
         ],
     )
 

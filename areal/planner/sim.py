@@ -112,6 +112,11 @@ class Result:
     generated: int = 0
     prefilled: int = 0
     interrupted: int = 0
+    trajectories_per_s: float = 0.0
+    """Trajectories trained per second, over the same window as throughput."""
+    controller_cores: float | None = None
+    """The share of its one core the controller needs at this pace (None: not measured);
+    over 1, the controller sets the pace and throughput is cut to what it sustains."""
 
 
 # ---- the simulated parts ----------------------------------------------------------------------
@@ -662,7 +667,9 @@ class Simulation:
         t = self.trainer
         t.version += 1
         tokens = sum(r.target for r in t.batch)
-        self.records.append({"step": t.version, "time": self.now, "train/n_tokens": tokens})
+        self.records.append(
+            {"step": t.version, "time": self.now, "train/n_tokens": tokens, "seqs": len(t.batch)}
+        )
         t.batch = None
         self._weights_ready(t.version)
         if t.version < self.s.steps:
@@ -700,6 +707,7 @@ class Simulation:
         ) / (len(self.servers) * max(t1 - t0, 1e-12))
         return Result(
             throughput=effective_throughput(recs),
+            trajectories_per_s=effective_throughput(recs, "seqs"),
             staleness_mean=sum(stale) / len(stale),
             staleness_max=max(stale),
             staleness_hist=dict(sorted(hist.items())),
@@ -737,12 +745,13 @@ def _busy(role: _Role, now: float) -> list[tuple[float, float]]:
     return role.busy + ([(role.busy_since, now)] if role.busy_since is not None else [])
 
 
-def effective_throughput(records: list[dict]) -> float:
+def effective_throughput(records: list[dict], key: str = "train/n_tokens") -> float:
     """benchmarks/tiny_run.effective_throughput, here so the planner imports no benchmark:
-    tokens trained per second, the first fifth of the steps (warm-up) left out."""
+    tokens (or another count of a step's) trained per second, the first fifth of the steps
+    (warm-up) left out."""
     warm = len(records) // 5
-    tokens = sum(x["train/n_tokens"] for x in records[warm + 1 :])
-    return tokens / max(records[-1]["time"] - records[warm]["time"], 1e-12)
+    total = sum(x[key] for x in records[warm + 1 :])
+    return total / max(records[-1]["time"] - records[warm]["time"], 1e-12)
 
 
 def bottleneck(idle: dict[str, float], held: float, eta: int, capped: float = 0.0) -> str:

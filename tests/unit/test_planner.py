@@ -25,7 +25,15 @@ from areal.planner.costs import (
     micro_batch_count,
     profile_from_dict,
 )
-from areal.planner.sim import Setting, Simulation, _Group, _Req, effective_throughput, simulate
+from areal.planner.sim import (
+    Result,
+    Setting,
+    Simulation,
+    _Group,
+    _Req,
+    effective_throughput,
+    simulate,
+)
 from areal.rollout.chunks import attention_chunks, cells_read
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,10 +223,32 @@ def test_scaled_gpu_simulation_matches_the_whole_one():
     assert scaled.throughput == pytest.approx(whole.throughput, rel=0.1)
 
 
+def test_a_controller_slower_than_the_plan_sets_its_pace():
+    """The controller is one process: the plan runs at the trajectories its core sustains."""
+    cfg = load_config(str(ROOT / "configs/math_1.5b.yaml"), ["rollout.max_new_tokens=2048"])
+
+    def plan(controller: dict[str, float]) -> Result:
+        p = gpu_h200(median_len=400, sigma=0.5)
+        p.controller = controller
+        return cli.plan_grid(cfg, p, [4], fractions=[0.75], gpus=16, steps=8, scale=4)[0].result
+
+    free, measured = plan({}), plan({"pull": 1e-4})
+    assert free.controller_cores is None and measured.throughput == free.throughput
+    assert measured.controller_cores == pytest.approx(free.trajectories_per_s * 1e-4)
+    assert measured.controller_cores < 1 and not measured.bottleneck.startswith("the controller")
+    slow = 2 / free.trajectories_per_s  # CPU seconds a trajectory: the plan needs two cores
+    bound = plan({"pull": slow, "relay": slow / 1000})
+    assert bound.bottleneck.startswith("the controller") and bound.controller_cores == 2.0
+    assert bound.throughput == pytest.approx(free.throughput / 2)
+    assert bound.trajectories_per_s == pytest.approx(1 / slow)
+    assert "controller" in cli.format_grid([cli.Point("x", 1, 0.75, 4, bound)])
+
+
 # ---- calibration ------------------------------------------------------------------------------
 
 DECODE = dict(step_s=2e-3, row_s=3e-5, cell_s=4e-8, prefill_token_s=5e-6, prefill_row_s=1e-4)
 TRAIN = dict(token_s=4e-5, seq_s=2e-4, minibatch_s=6e-3)
+CONTROLLER_S = 3e-4
 
 
 def synthetic_run(
@@ -235,7 +265,7 @@ def synthetic_run(
     rng = random.Random(seed)
     path.mkdir(parents=True)
     cfg = {"experiment_name": "synthetic", "trial_name": "run0", "max_staleness": 2,
-           "rollout": {"group_size": 4, "n_servers": 1}}  # fmt: skip
+           "rollout": {"group_size": 4, "n_servers": 1}, "trainer": {"batch_size": 2}}  # fmt: skip
     (path / "config.yaml").write_text(yaml.safe_dump(cfg))
     lines: dict[str, list[dict]] = {"server0": [], "trainer0": [], "controller0": []}
     t = 1000.0
@@ -276,6 +306,9 @@ def synthetic_run(
             lines["trainer0"].append({"kind": "borrow", "start": t_lent, "end": t, "lent": 1})
         lines["trainer0"].append({"kind": "publish", "start": t, "end": t + 0.02,
                                   "version": step + 1})  # fmt: skip
+        # The controller's CPU over the step: CONTROLLER_S for each of its 8 trajectories.
+        lines["controller0"].append({"kind": "cpu", "start": wait_start, "end": t + 0.02,
+                                     "cpu_s": 8 * CONTROLLER_S})  # fmt: skip
         t += 0.02
         lines["server0"].append({"kind": "load", "start": t, "end": t + 0.01,
                                  "version": step + 1})  # fmt: skip
@@ -312,6 +345,7 @@ def test_calibration_recovers_known_constants(tmp_path):
     assert p.handoff.fanout_s == pytest.approx(0.005)
     assert p.lengths.prompt_len == pytest.approx(12)
     assert p.train.speedup[2] == pytest.approx(1.5, rel=0.05)
+    assert p.controller == {"pull": pytest.approx(CONTROLLER_S)}
 
 
 def test_calibration_pools_runs_and_takes_the_first_runs_lengths(tmp_path):
@@ -380,6 +414,7 @@ def test_cli_prints_the_fit_and_warns_of_a_poor_one(tmp_path, capsys):
         (lambda d: d.update(lengths={"prompt_len": 3}), "no output lengths"),
         (lambda d: d["decode"].update(speedup={"two": 2}), "thread counts"),
         (lambda d: d.update(version=99), "calibrate it again"),
+        (lambda d: d.update(controller={"pull": -1}), "controller must map"),
     ],
 )
 def test_a_bad_profile_names_the_problem(change, message):
