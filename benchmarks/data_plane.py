@@ -12,7 +12,9 @@ batch; pull: broadcast of the references, each rank fetches its own share) and d
 instead of training, then publish a version so the servers "load" it.
 
 Reported per process, over the steps after the first two: CPU seconds (and per
-trajectory), peak memory (VmHWM), and bytes moved; for the run: trajectories/s, the
+trajectory), peak memory (VmHWM), resident memory at a tenth of the steps and at the end
+(flat over a long run: `--steps 1600 --mean-tokens 64` is 102,400 trajectories), and bytes
+moved; for the run: trajectories/s, the
 controller's bytes per step against the batch's bytes, p50/p99 of admit-to-buffer, and the
 controller's implied limit on one core (1 / its CPU seconds per trajectory). On this
 2-core machine every process shares the cores, so trajectories/s is what the whole
@@ -97,11 +99,15 @@ def proc_stat(pid: int) -> tuple[float, int]:
     """(CPU seconds, peak resident KiB) of a process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    peak = 0
+    return cpu, vm_kib(pid, "VmHWM")
+
+
+def vm_kib(pid: int, key: str) -> int:
+    """A process's /proc status figure in KiB: VmHWM (peak resident), VmRSS (resident now)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            peak = int(line.split()[1])
-    return cpu, peak
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
 
 
 def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
@@ -159,6 +165,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
         marks: dict[str, float] = {}
         steps_file = exp / "steps.rank0.jsonl"
         progress = ""
+        rss: dict[str, list[int]] = {}  # resident KiB of each process after each step
         while progress != str(args.steps) or not all(
             (exp / f"steps.rank{r}.jsonl").exists() for r in range(args.ranks)
         ):
@@ -167,7 +174,13 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
             dead = [n for n, p in procs.items() if p.poll() not in (None, 0)]
             if dead:
                 raise RuntimeError(f"{mode}: {dead} died; see {exp}/logs")
-            progress = (exp / "progress").read_text() if (exp / "progress").exists() else ""
+            before, progress = (
+                progress,
+                ((exp / "progress").read_text() if (exp / "progress").exists() else ""),
+            )
+            if progress.strip() and progress != before:
+                for n, p in procs.items():
+                    rss.setdefault(n, []).append(vm_kib(p.pid, "VmRSS"))
             if not marks and progress.strip() == "2":
                 marks = {n: proc_stat(p.pid)[0] for n, p in procs.items()}
                 marks["t"] = time.time()
@@ -199,10 +212,17 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
     per_proc = {}
     for name, (cpu, peak) in final.items():
         used = cpu - marks.get(name, 0.0) if marks else cpu
+        # Memory over the run: resident at a tenth of the steps (warm) and at the end.
+        series = rss.get(name) or [0]
+        first, last = series[len(series) // 10], series[-1]
+        since_tenth = n * (1 - (len(series) // 10) / len(series))  # trajectories
         per_proc[name] = {
             "cpu_s": used,
             "cpu_ms_per_traj": 1000 * used / n,
             "peak_mib": peak / 1024,
+            "rss_tenth_mib": first / 1024,
+            "rss_end_mib": last / 1024,
+            "rss_growth_kib_per_10k": (last - first) / max(since_tenth, 1) * 1e4,
         }
     for r in range(args.ranks):
         per_proc.setdefault(f"trainer{r}", {})["bytes_per_step"] = statistics.median(
@@ -246,6 +266,15 @@ def report(results: list[dict]) -> None:
     for r in results:
         share = r["controller_bytes_per_step"] / max(r["batch_bytes_per_step"], 1)
         print(f"{r['mode']}: controller bytes per step = {100 * share:.2f}% of the batch's bytes")
+    print("\nresident memory, MiB at a tenth of the steps -> at the end (KiB per 10k trajectories)")
+    for name in sorted({n for r in results for n in r["procs"]}):
+        cells = [
+            f"{r['mode']}: {p['rss_tenth_mib']:6.0f} -> {p['rss_end_mib']:6.0f} "
+            f"({p['rss_growth_kib_per_10k']:+.0f})"
+            for r in results
+            if "rss_end_mib" in (p := r["procs"].get(name, {}))
+        ]
+        print(f"{name:14}" + " | ".join(cells))
     print("\nper process (measured window): CPU ms per trajectory | peak MiB | bytes in / step")
     names = sorted({n for r in results for n in r["procs"]})
     for name in names:
