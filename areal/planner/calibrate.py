@@ -369,10 +369,9 @@ def fit_controller(runs: list[Run], notes: list[str]) -> dict[str, float]:
     totals: dict[str, list[float]] = {}  # plane -> [CPU seconds, trajectories]
     for run in runs:
         published = sorted(e["end"] for e in _spans(run, "trainer0", "publish"))
-        samples = [
-            e for e in run.cpu if e["role"] == "controller0" and published
-            and e["start"] >= published[0]
-        ]  # fmt: skip
+        if not published:
+            continue
+        samples = [e for e in run.cpu if e["role"] == "controller0" and e["start"] >= published[0]]
         if not samples:
             continue
         until = max(e["end"] for e in samples)
