@@ -127,9 +127,9 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
     shutil.rmtree(cfg.exp_dir, ignore_errors=True)
     prepare_experiment(cfg)
     exp = cfg.exp_dir
-    from transformers import AutoTokenizer
+    from areal.models.tokenizer import load_tokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(cfg.model.path))
+    vocab = len(load_tokenizer(cfg.model.path))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     procs: dict[str, subprocess.Popen] = {}
 
