@@ -292,6 +292,25 @@ class InferenceConfig(Section):
 
 
 @dataclass(kw_only=True)
+class WeightsConfig(Section):
+    _section: ClassVar[str] = "weights"
+
+    transport: str = "disk"
+    """How a new version reaches the inference servers: disk (the paper's: the trainer writes weights/vN/ and each server loads it) or distributed (the trainer broadcasts the tensors to the servers over a weight-update group, SGLang's /update_weights_from_distributed: gloo on CPUs, NCCL on GPUs; the embedded server and SGLang)."""  # noqa: E501
+    disk_every: int = 1
+    """With transport=distributed: also write every this-many-th version to weights/vN/, in the background (a server that restarts or misses a broadcast loads the newest one from there); checkpoints always hold their weights."""  # noqa: E501
+    bucket_mb: float = 512.0
+    """With transport=distributed: tensors per update request, in MiB (a server holds one bucket beside its weights while it receives)."""  # noqa: E501
+    timeout_s: float = 120.0
+    """With transport=distributed: seconds a rank waits for the others to join the group or for one broadcast before the update fails (the servers that missed it load the newest version from disk; the next update forms a new group)."""  # noqa: E501
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._one_of("transport", ("disk", "distributed"))
+        self._positive("disk_every", "bucket_mb", "timeout_s")
+
+
+@dataclass(kw_only=True)
 class RewardConfig(Section):
     _section: ClassVar[str] = "reward"
 
@@ -876,6 +895,8 @@ class ExperimentConfig(Section):
     """Rollout workers and sampling."""
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     """Inference servers."""
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    """How each new version of the weights reaches the inference servers."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward service."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -930,9 +951,27 @@ class ExperimentConfig(Section):
                 "model.lora.rank=0 for full fine-tuning on megatron"
             )
 
+        self._check_weights()
+
         from areal.rollout.backends import load_backend
 
         load_backend(self.inference.backend).check(self)
+
+    def _check_weights(self) -> None:
+        if self.weights.transport == "disk":
+            return
+        why = None
+        if self.inference.backend == "vllm":
+            why = (
+                "inference.backend=vllm receives weights from disk only (its worker "
+                "extension does not join a weight-update group yet)"
+            )
+        elif self.model.lora.enabled:
+            why = "a LoRA run hands off its adapter through disk (the adapter alone is small)"
+        elif self.launcher.type == "inline":
+            why = "launcher.type=inline runs the trainer and the engine in one process"
+        if why:
+            raise ConfigError(f"weights.transport=distributed: {why}; use weights.transport=disk")
 
     def _check_objective(self) -> None:
         """The ppo section against the rest; fills its lengths from rollout.max_new_tokens."""

@@ -6,6 +6,7 @@
                                     | engine.grade    --> reward service           |
     trainer <--get_batch(i)-- [replay buffer] <-- the group's trajectories --------'
     trainer --weights_ready(i+1)--> WorkerPool.update_weights --> gate.on_version(i+1)
+                (distributed: <--the weight-update group-- then the trainer broadcasts)
 
 | loop            | waits for                                   | unblocked by                 |
 |-----------------|---------------------------------------------|------------------------------|
@@ -309,16 +310,46 @@ class Controller:
             **self.workflow.stats(),
         }
 
-    async def weights_ready(self, version: int, path: str) -> dict:
-        """The trainer published `version`: load it on every server, in the background."""
-        task = asyncio.create_task(self._load_version(version, path))
+    async def weights_ready(
+        self,
+        version: int,
+        path: str | None,
+        disk_version: int | None = None,
+        broadcast: dict | None = None,
+    ) -> dict:
+        """The trainer has `version`: load it on every server, in the background. From disk
+        (path), the trainer goes on at once. By broadcast (weights.transport=distributed;
+        path the newest version on disk): once the previous update is done, the reply is the
+        group (pool.plan_broadcast) whose servers are about to receive; the trainer then
+        sends (joining first when the group is new)."""
+        planned: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(
+            self._load_version(version, path, disk_version, broadcast, planned)
+        )
         self._updates.add(task)
         task.add_done_callback(self._updates.discard)
-        return {}
+        if broadcast is None:
+            return {}
+        return await planned
 
-    async def _load_version(self, version: int, path: str) -> None:
+    async def _load_version(
+        self,
+        version: int,
+        path: str | None,
+        disk_version: int | None,
+        broadcast: dict | None,
+        planned: asyncio.Future[dict],
+    ) -> None:
         async with self._update_lock:
-            await self.pool.update_weights(version, path)
+            if broadcast is not None:
+                group = self.pool.plan_broadcast(broadcast)
+                planned.set_result(group)
+                broadcast = {
+                    "group": group,
+                    "buckets": broadcast["buckets"],
+                    "path": broadcast["path"],
+                }
+            await self.pool.update_weights(version, path, disk_version, broadcast)
             async with self.changed:
                 self.gate.on_version(version)
                 self.changed.notify_all()

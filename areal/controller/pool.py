@@ -4,7 +4,7 @@
                <-- n finished trajectories -------        <-- finished | unfinished (k died)
                                                       unfinished: resumed, partial output
                                                       and all, on another alive worker
-    Controller --update_weights(v, dir)------------> every worker --> acknowledged versions
+    Controller --update_weights(v, dir | broadcast)-> every worker --> acknowledged versions
                                                       --> retire weights/ older than v
     a dead worker k --wait_ready--> back (it loads the newest version first) --> alive again
     a generate cancelled (its episode rejected, timed out) --abandon(call_id)--> its worker
@@ -50,6 +50,8 @@ class WorkerPool:
         self._watchers: dict[int, asyncio.Task] = {}  # dead worker -> waiting for it to be back
         self._resubmitted = 0  # samples resumed on another worker, since the last stats()
         self._by_address = {getattr(w, "address", None): w for w in workers}
+        self._group: tuple[str, list[int]] | None = None  # weight-update group: name, members
+        self._generation = 0
 
     async def generate(
         self,
@@ -102,24 +104,70 @@ class WorkerPool:
             self._server_down(k)
             self._resubmitted += len(partial)
 
-    async def update_weights(self, version: int, path: str) -> None:
-        """Load `version` on every worker; a dead one loads the newest before it serves
-        again. Then retire older weight directories. The caller awaits one at a time."""
+    def plan_broadcast(self, trainer: dict) -> dict:
+        """The weight-update group of the next broadcast (weights.transport=distributed):
+        the trainer (rank 0) and every serving worker's server. The same group while its
+        members stay; a new one when a server went down or came back, a broadcast failed,
+        or the trainer asks (trainer["new_group"]). world_size 1: nobody to send to."""
+        members = [k for k, ok in enumerate(self.router.alive) if ok]
+        new = trainer["new_group"] or self._group is None or self._group[1] != members
+        if new:
+            self._generation += 1
+            self._group = (f"areal-weights-{self._generation}", members)
+        return {
+            "group_name": self._group[0],
+            "world_size": len(members) + 1,
+            "new": new,
+            "master_address": trainer["master_address"],
+            "master_port": trainer["master_port"],
+            "backend": trainer["backend"],
+            "timeout_s": trainer["timeout_s"],
+        }
+
+    async def update_weights(
+        self,
+        version: int,
+        path: str | None,
+        disk_version: int | None = None,
+        broadcast: dict | None = None,
+    ) -> None:
+        """Make every worker's server hold `version`: from disk (path), or by broadcast
+        (broadcast: plan_broadcast's group and the buckets' specs; path the newest version on
+        disk, disk_version). A dead worker loads the newest on disk before it serves again.
+        Then retire older weight directories. The caller awaits one at a time."""
         t0 = time.time()
+
+        def args(k: int) -> dict:
+            if broadcast is None or k not in self._group[1]:
+                return {}
+            group = {**broadcast["group"], "rank": 1 + self._group[1].index(k)}
+            return {"broadcast": {**broadcast, "group": group}}
+
         replies = await asyncio.gather(
-            *(w.call("update_weights", version=version, path=path) for w in self.workers)
+            *(
+                w.call(
+                    "update_weights",
+                    version=version,
+                    path=path,
+                    disk_version=disk_version,
+                    **args(k),
+                )  # fmt: skip
+                for k, w in enumerate(self.workers)
+            )
         )
         events.record("update_weights", t0, time.time(), version=version)
         rolelog.set_context(version=version)
         log.info("version %d loaded by the servers in %.2fs", version, time.time() - t0)
         for k, reply in enumerate(replies):
-            if reply["loaded"]:
+            if reply["alive"]:
                 self.router.version[k] = reply["version"]
-            else:  # down: it loads the newest version before it serves again
+            else:  # down: it loads the newest version on disk before it serves again
                 self._server_down(k)
-        # Every server serving holds `version`, and one that comes back loads the newest
-        # first: older directories are no longer needed.
-        retire_older_than(self.exp_dir, version)
+            if not reply["loaded"]:
+                self._group = None  # a broadcast failed: the next one forms a new group
+        # Every server serving holds `version` or the newest on disk, and one that comes back
+        # loads the newest on disk first: older directories are no longer needed.
+        retire_older_than(self.exp_dir, version if disk_version is None else disk_version)
 
     async def stats(self) -> dict[str, float]:
         """The pool's counters since the previous call, and its servers' state now."""

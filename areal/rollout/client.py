@@ -20,6 +20,12 @@ output, which the worker resumes.
 | generate: its requests' end         | stop/length, or an abort (any of the three above)  |
 | wait_healthy: /health answering 200 | the server up; TimeoutError; its process exiting   |
 
+Weights over a weight-update group (areal/weight_group.py): init_weights_update_group,
+update_weights_from_distributed (one bucket per call) and destroy_weights_update_group each
+return while the trainer, rank 0, takes its part in the same collective (joins, broadcasts
+the bucket): the caller runs both at once and bounds them with its own deadline; the server
+bounds every wait with its group timeout.
+
 LoRA (model.lora): a version is an adapter directory. The embedded server loads it through
 /update_weights_from_disk like any version (it merges it into its weights). SGLang serves
 adapters by name (SGLangServerClient, the sglang backend's client): each version's adapter
@@ -102,6 +108,68 @@ class SGLangClient(HttpClient):
         problem = api.update_weights_problem(result)
         if problem is not None:
             raise RuntimeError(f"{self.base_url} refused weights {model_path}: {problem}")
+        return result
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = api.DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Join the group whose rank 0 serves its store at master_address:master_port, as
+        ranks rank_offset..; answers once every rank joined. RuntimeError with the server's
+        message when it refuses or fails to join."""
+        body = api.build_init_weights_group_request(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+        return await self._weights_call(
+            "/init_weights_update_group", body, f"refused to join weight-update group {group_name}"
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Receive one bucket (names, dtypes, shapes) that rank 0 broadcasts meanwhile, one
+        tensor at a time in the order of names; report weight_version once applied.
+        RuntimeError with the server's message when it refuses the bucket (then the model
+        is unchanged) or the broadcast fails."""
+        body = api.build_update_weights_from_distributed_request(
+            names, dtypes, shapes, group_name, weight_version, abort_all_requests
+        )
+        return await self._weights_call(
+            "/update_weights_from_distributed",
+            body,
+            f"refused weights (version {weight_version}) over group {group_name}",
+        )
+
+    async def destroy_weights_update_group(
+        self, group_name: str = api.DEFAULT_GROUP_NAME
+    ) -> dict[str, Any]:
+        """Leave the group (a broken one too); RuntimeError when the server has no such group."""
+        body = api.build_destroy_weights_group_request(group_name)
+        return await self._weights_call(
+            "/destroy_weights_update_group",
+            body,
+            f"could not destroy weight-update group {group_name}",
+        )
+
+    async def _weights_call(self, path: str, body: dict, what: str) -> dict[str, Any]:
+        """A weight-update group route: its {"success", "message"} answer; RuntimeError with
+        the message when success is false (HTTP 400, or a malformed request's error body).
+        Bounded by the client's timeout only: the caller sets its own deadline."""
+        result = await self._call("POST", path, body, ok_statuses=(200, 400))
+        problem = api.success_problem(result)
+        if problem is not None:
+            raise RuntimeError(f"{self.base_url} {what}: {problem}")
         return result
 
     async def _load_adapter(self, path: str, version: int, abort_all_requests: bool) -> dict:

@@ -5,6 +5,7 @@
    submit() ──► held ──continue──► waiting ──admit──► running ──step──► Future.set_result
    abort() / pause() / continue_generation()     one lock; act between decode steps
    update_weights() ── load + check on disk ──► copy into the live model between steps
+   update_weights_from_distributed() ── receive a bucket from the group's rank 0 + check ──┘
 ```
 
 Decoding is KV-cached (areal/rollout/kv_cache.py): each running request owns one row of the
@@ -20,12 +21,21 @@ fit is refused when submitted.
 |----------------------------------------|------------------------------------------------|
 | a running request (admitted if it fits) | submit(), continue_generation(), a finish     |
 | the end of a pause                     | continue_generation()                          |
-| a pending weight update (no admission) | update_weights() applying its tensors          |
+| a pending weight update (no admission) | update_weights*() applying its tensors         |
 
-| update_weights() waits for                   | unblocked by                                |
+| update_weights*() waits for                  | unblocked by                                |
 |----------------------------------------------|---------------------------------------------|
+| (distributed) its bucket's broadcasts        | rank 0 sending them; the group's timeout    |
 | the decode step in flight                    | the step's end                              |
 | running requests to finish (when not paused) | their finish or abort (no new admissions)   |
+
+Weight-update groups (areal/weight_group.py, SGLang's /init_weights_update_group): the engine
+joins a group by name as one rank, and update_weights_from_distributed() receives one bucket
+of tensors from rank 0 (decoding goes on meanwhile: the receive holds no engine lock), checks
+it against the model, and applies it as update_weights() applies a directory. A bucket is
+received whole even when it will be refused, so that the group stays in step with its
+sender; a receive that fails (the peer died, the timeout) changes nothing and leaves the
+group broken, for the caller to destroy.
 
 Weight versions (SGLang semantics): a finished request reports the engine's weight_version at
 the moment it finishes. Without a pause, an update waits until the running requests finish, so
@@ -36,7 +46,8 @@ outputs with finish_reason abort instead, so nothing crosses a version. A weight
 the trainer's integer here; the server writes it as SGLang's string (sglang_api.py).
 
 Beside it: generation.py (SamplingParams, the request, GenerationResult), sampling.py (one
-token per row), weight_loading.py (checked safetensors), kv_cache.py (the cache).
+token per row), weight_loading.py (checked safetensors), kv_cache.py (the cache),
+areal/weight_group.py (the groups).
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ from areal.rollout.generation import PAUSE_MODES, GenerationResult, Request, Sam
 from areal.rollout.kv_cache import KVCache
 from areal.rollout.sampling import sample
 from areal.rollout.weight_loading import base_copy, load_adapter_merged, load_checked
+from areal.weight_group import BACKENDS, Group, dtype_of, open_group, receive
 
 __all__ = ["DecodeEngine", "GenerationResult", "SamplingParams", "length_buckets"]
 
@@ -71,9 +83,9 @@ class DecodeEngine:
     """A transformers causal LM with one background decode thread and continuous batching.
 
     Every public method is thread-safe. submit(), abort() and stats() never block;
-    pause(), continue_generation(), update_weights() and shutdown() may wait for the decode
-    step in flight (update_weights() also for running requests), so call those from a worker
-    thread when on an event loop.
+    pause(), continue_generation(), update_weights*() and shutdown() may wait for the decode
+    step in flight (update_weights*() also for running requests), and the weight-update
+    group calls for their peers, so call those from a worker thread when on an event loop.
     """
 
     def __init__(
@@ -132,6 +144,12 @@ class DecodeEngine:
         self._weight_version = weight_version
         self._counters = collections.Counter()
         self._meter = DecodeMeter()  # `decode` spans of the timeline (areal/events.py)
+        # Weight-update groups by name, with the device their tensors arrive on; apart from
+        # _cv, so that joining or receiving never stops decoding.
+        self._groups: dict[str, tuple[Group, torch.device]] = {}
+        self._joining: set[str] = set()  # names being joined: a second init is refused
+        self._groups_lock = threading.Lock()
+        self._receiving = threading.Lock()  # one bucket at a time: broadcasts are ordered
         self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
 
     @classmethod
@@ -290,13 +308,147 @@ class DecodeEngine:
                 self._lora_base = None
         except (OSError, ValueError) as e:
             return False, f"Failed to update weights from {model_path}: {e}", 0
+        kept = self._apply_weights(
+            tensors, weight_version, abort_all_requests, "update_weights_from_disk", model_path
+        )
+        return True, _updated_message(weight_version), kept
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str]:
+        """Receive one bucket of tensors from rank 0 of the group (one broadcast per name, in
+        order), then apply it as update_weights() applies a directory (same waits, aborts
+        and version); the other tensors of the model stay as they are.
+
+        Returns (success, message). The receive runs outside the engine's lock (decoding
+        goes on). Names must be the model's state_dict names (of tied tensors either one),
+        shapes its shapes; dtypes may differ (cast on copy). A bucket with a wrong name or
+        shape is received whole, then refused; a failed receive (the peer died, the group's
+        timeout) is refused too and leaves the group broken. A refusal changes nothing.
+        """
+        with self._groups_lock:
+            entry = self._groups.get(group_name)
+            if entry is None:
+                return False, f"Failed to update weights: {self._no_group_locked(group_name)}"
+        group, device = entry
+        try:
+            for dtype in dtypes:
+                dtype_of(dtype)
+        except ValueError as e:  # nothing received: the sender waits for its own timeout
+            return False, f"Failed to update weights over group {group_name}: {e}"
+        try:
+            with self._receiving:
+                tensors = receive(group, names, dtypes, shapes, device)
+        except Exception as e:  # gloo and NCCL raise RuntimeError subclasses of their own
+            logger.warning("receiving weights over group %s failed: %s", group_name, e)
+            return False, (
+                f"Failed to receive weights over group {group_name} (the group is now broken: "
+                f"destroy it and form a new one): {e}"
+            )
+        problems = _bucket_problems(self.model.state_dict(), tensors)
+        if problems:
+            return False, f"Failed to update weights over group {group_name}: {problems}"
+        self._lora_base = None  # whole tensors replace the base, as a directory's do
+        self._apply_weights(
+            tensors, weight_version, abort_all_requests, "update_weights_from_distributed"
+        )
+        return True, _updated_message(weight_version)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float = 120.0,
+    ) -> tuple[bool, str]:
+        """Join the weight-update group group_name as rank rank_offset (this engine is one
+        rank); returns (success, message) once all world_size ranks have joined, or fails
+        after timeout_s, which also bounds every later receive over the group. backend:
+        gloo, or nccl when the engine runs on cuda."""
+        if backend not in BACKENDS:
+            return False, f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
+        if backend == "nccl" and self.device.type != "cuda":
+            return False, (
+                f"backend nccl needs a cuda device; this server runs on {self.device}: "
+                'use backend "gloo"'
+            )
+        with self._groups_lock:
+            if group_name in self._groups or group_name in self._joining:
+                return False, (
+                    f"a weight-update group named {group_name!r} exists already; destroy it "
+                    "first (/destroy_weights_update_group)"
+                )
+            self._joining.add(group_name)
+        try:
+            group = open_group(
+                backend=backend,
+                master_address=master_address,
+                master_port=master_port,
+                rank=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                timeout_s=timeout_s,
+            )
+        except Exception as e:  # torch's DistStoreError, DistNetworkError, ValueError...
+            with self._groups_lock:
+                self._joining.discard(group_name)
+            return False, f"Failed to init weights update group {group_name}: {e}"
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        with self._groups_lock:
+            self._joining.discard(group_name)
+            self._groups[group_name] = (group, device)
+        logger.info(
+            "joined weight-update group %s as rank %d of %d (%s, %s:%d)",
+            group_name, rank_offset, world_size, backend, master_address, master_port,
+        )  # fmt: skip
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> tuple[bool, str]:
+        """Leave and free the group (a broken one too); (False, why) for an unknown name."""
+        with self._groups_lock:
+            entry = self._groups.pop(group_name, None)
+            if entry is None:
+                return False, f"Failed to destroy: {self._no_group_locked(group_name)}"
+        entry[0].close()
+        return True, "Succeeded to destroy custom process group."
+
+    def _no_group_locked(self, name: str) -> str:
+        known = ", ".join(sorted(self._groups)) or "none"
+        return (
+            f"no weight-update group named {name!r} (groups: {known}); join one with "
+            "/init_weights_update_group"
+        )
+
+    def _apply_weights(
+        self,
+        tensors: dict[str, torch.Tensor],
+        weight_version: int | None,
+        abort_all_requests: bool,
+        source: str,
+        model_path: str | None = None,
+    ) -> int:
+        """Copy checked tensors into the live model between decode steps (cast to its dtype);
+        returns the number of requests kept by a pause. source names the update in the
+        message of the requests it aborts; model_path: what /get_model_info reports from now
+        on (None: unchanged)."""
         with self._cv:
             # Admit nothing from here on: a request resubmitted the moment its abort
             # returns must wait for the new weights, or its tokens would carry the old ones.
             self._updates_pending += 1
         try:
             if abort_all_requests:
-                self.abort(abort_all=True, message="Aborted by update_weights_from_disk.")
+                self.abort(abort_all=True, message=f"Aborted by {source}.")
             with self._cv:
                 while self._stepping or (self._pause_mode is None and self._running):
                     self._cv.wait()
@@ -304,19 +456,16 @@ class DecodeEngine:
                 with torch.no_grad():
                     for name, tensor in tensors.items():
                         state[name].copy_(tensor)
-                self._model_path = str(model_path)
+                if model_path is not None:
+                    self._model_path = str(model_path)
                 self._kv_stale = True
                 if weight_version is not None:
                     self._weight_version = weight_version
-                kept = len(self._running) + len(self._waiting) if self._pause_mode else 0
+                return len(self._running) + len(self._waiting) if self._pause_mode else 0
         finally:
             with self._cv:
                 self._updates_pending -= 1
                 self._cv.notify_all()
-        message = "Succeeded to update model weights."
-        if weight_version is not None:
-            message += f" Weight version updated to {weight_version}."
-        return True, message, kept
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort every request (held ones too) and stop the decode thread."""
@@ -329,6 +478,10 @@ class DecodeEngine:
         self._resolve(finished)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        with self._groups_lock:
+            groups, self._groups = list(self._groups.values()), {}
+        for group, _ in groups:
+            group.close()
 
     # ---- introspection --------------------------------------------------------------------
 
@@ -547,6 +700,29 @@ def _auto_token_budget(bytes_per_token: int, device: torch.device) -> int:
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return max(1, free // 4 // bytes_per_token)
+
+
+def _updated_message(weight_version: int | None) -> str:
+    message = "Succeeded to update model weights."
+    if weight_version is not None:
+        message += f" Weight version updated to {weight_version}."
+    return message
+
+
+def _bucket_problems(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> str:
+    """What is wrong with a bucket against the model's state_dict ("" when nothing): unknown
+    names and wrong shapes. A bucket is part of a version, so nothing is missing."""
+    problems = [
+        f"unexpected tensor {name} (not in the model's state_dict)"
+        for name in tensors
+        if name not in expected
+    ]
+    problems += [
+        f"tensor {name} has shape {tuple(t.shape)}, the model expects {tuple(expected[name].shape)}"
+        for name, t in tensors.items()
+        if name in expected and t.shape != expected[name].shape
+    ]
+    return "; ".join(problems)
 
 
 def _abort(message: str) -> dict[str, Any]:

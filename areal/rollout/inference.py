@@ -4,8 +4,13 @@
  RolloutWorker ──InferenceClient──► SGLangClient (client.py) ──SGLang HTTP──► SGLang
    (worker.py)    generate_batch                                         or embedded server
                   update_weights_from_disk                               (server.py)
-                  abort_request, health,      VLLMClient (vllm_client.py) ──► vLLM
+                  pause_/continue_generation  VLLMClient (vllm_client.py) ──► vLLM
+                  abort_request, health,      EngineClient (engine_client.py) ──► DecodeEngine
                   wait_healthy, close
+ RolloutWorker ──WeightGroupClient──► SGLangClient, EngineClient (not vLLM's), when
+   (weights.transport=distributed)   init_weights_update_group,
+                                      update_weights_from_distributed (the trainer sends),
+                                      destroy_weights_update_group
 ```
 
 A client reduces every backend's answer to GenerateOutput (token ids, per-token log-probs,
@@ -82,6 +87,15 @@ class InferenceClient(Protocol):
         meanwhile until the new weights are in); without it, call on an idle server."""
         ...
 
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        """Stop generating until continue_generation(); requests sent meanwhile wait.
+        "abort": the requests in flight come back with finish_reason "abort" (partial)."""
+        ...
+
+    async def continue_generation(self) -> dict:
+        """Generate again: the waiting requests run (on the weights loaded meanwhile)."""
+        ...
+
     async def abort_request(self, rid: str) -> None:
         """Abort one request: its generate call returns with finish_reason "abort"."""
         ...
@@ -97,6 +111,51 @@ class InferenceClient(Protocol):
 
     async def close(self) -> None:
         """Free the connections (the client may be used again afterwards)."""
+        ...
+
+
+@runtime_checkable
+class WeightGroupClient(InferenceClient, Protocol):
+    """An InferenceClient whose server takes weights over a weight-update group
+    (areal/weight_group.py; SGLang's routes): the trainer, rank 0, broadcasts them while the
+    rollout worker makes these calls (weights.transport=distributed). Each call
+    returns once the collective it joins is done, so the trainer takes its part (joins,
+    sends the bucket) at the same time. RuntimeError with the server's message when it
+    refuses or the collective fails."""
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Join group_name (rank 0 serves its store at master_address:master_port) as ranks
+        rank_offset.. of world_size; returns once every rank joined."""
+        ...
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Receive one bucket of a version (rank 0 broadcasts its tensors in the order of
+        names, dtypes as torch's names: "bfloat16") and apply it; report weight_version from
+        now on. A refused bucket changes nothing; a failed broadcast leaves the group broken
+        (destroy it and form a new one). Usually between pause_generation and
+        continue_generation, one call per bucket."""
+        ...
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
+        """Leave and free the group (a broken one too)."""
         ...
 
 

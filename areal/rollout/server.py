@@ -13,10 +13,21 @@ for its requests' Futures (resolved by the decode thread) or, for pause/continue
 the DecodeEngine call run in a worker thread; nothing blocks the event loop. /health answers 503
 until the model is loaded, which happens after the port is open.
 
+Weights also arrive over a weight-update group (SGLang's routes; areal/weight_group.py), the
+trainer being rank 0 and this server one rank (gloo; nccl on cuda):
+
+    /init_weights_update_group ──► joined (waits for every rank) ──► /pause_generation ──►
+    /update_weights_from_distributed (one bucket each, while rank 0 broadcasts it) ... ──►
+    /continue_generation ... ──► /destroy_weights_update_group
+
+Every wait of a group ends after --weights-group-timeout-s: a trainer that never joins or
+never sends makes the call fail, not hang.
+
     python -m areal.rollout.server --model DIR --port N [--host 127.0.0.1]
         [--max-batch-size 64] [--max-total-tokens 0] [--seed 0] [--num-threads 1]
         [--dtype float32] [--device auto] [--weight-version 0] [--api-key KEY]
         [--weights-root DIR ...] [--events-file F] [--keepalive-s 75]
+        [--weights-group-timeout-s 120]
 
 With an API key (--api-key, or AREAL_API_KEY in the environment) every request but /health
 needs `Authorization: Bearer KEY` (areal/rollout/auth.py); without one the server is open,
@@ -53,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 STATE_KEY = web.AppKey("state", dict)
 """The app's state: the DecodeEngine (None until loaded), the tokenizer path, the weight
-roots and the ServerActivity."""
+roots, the weight-update groups' timeout and the ServerActivity."""
 
 # ---- handlers -----------------------------------------------------------------------------
 
@@ -152,6 +163,50 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return web.json_response(body, status=status)
 
 
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    decode_engine = _decode_engine(request)
+    spec = api.parse_init_weights_group_body(await _json(request))
+    result = await asyncio.to_thread(
+        decode_engine.init_weights_update_group,
+        spec.master_address,
+        spec.master_port,
+        spec.rank_offset,
+        spec.world_size,
+        spec.group_name,
+        spec.backend,
+        _state(request)["weights_group_timeout_s"],
+    )
+    body, status = api.format_success_response(*result)
+    return web.json_response(body, status=status)
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    decode_engine = _decode_engine(request)
+    spec = api.parse_update_weights_from_distributed_body(await _json(request))
+    with _state(request)["activity"].loading(spec.weight_version, spec.abort_all_requests):
+        result = await asyncio.to_thread(
+            decode_engine.update_weights_from_distributed,
+            spec.names,
+            spec.dtypes,
+            spec.shapes,
+            spec.group_name,
+            spec.weight_version,
+            spec.abort_all_requests,
+        )
+    if not result[0]:
+        logger.warning("refused a weight bucket: %s", result[1])
+    body, status = api.format_success_response(*result)
+    return web.json_response(body, status=status)
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    decode_engine = _decode_engine(request)
+    group_name = api.parse_destroy_weights_group_body(await _json(request))
+    result = await asyncio.to_thread(decode_engine.destroy_weights_update_group, group_name)
+    body, status = api.format_success_response(*result)
+    return web.json_response(body, status=status)
+
+
 async def abort_request(request: web.Request) -> web.Response:
     decode_engine = _decode_engine(request)
     rid, abort_all = api.parse_abort_body(await _json(request))
@@ -216,13 +271,17 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def create_app(
-    tokenizer_path: str, api_key: str | None = None, weight_roots: list[str] | None = None
+    tokenizer_path: str,
+    api_key: str | None = None,
+    weight_roots: list[str] | None = None,
+    weights_group_timeout_s: float = 120.0,
 ) -> web.Application:
     """The application; put the DecodeEngine at app[STATE_KEY]["decode_engine"] once loaded."""
     middlewares = [require_api_key(api_key), _errors] if api_key else [_errors]
     app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 * 1024)
     state: dict = {
         "decode_engine": None, "tokenizer_path": tokenizer_path, "weight_roots": weight_roots or [],
+        "weights_group_timeout_s": weights_group_timeout_s,
     }  # fmt: skip
     state["activity"] = ServerActivity(
         lambda: getattr(state["decode_engine"], "weight_version", None)
@@ -233,6 +292,9 @@ def create_app(
     app.router.add_post("/pause_generation", pause_generation)
     app.router.add_post("/continue_generation", continue_generation)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_post("/abort_request", abort_request)
     for method in ("GET", "POST"):
         app.router.add_route(method, "/flush_cache", flush_cache)
@@ -249,7 +311,7 @@ def create_app(
 
 
 async def serve(args: argparse.Namespace) -> int:
-    app = create_app(args.model, args.api_key, args.weights_root)
+    app = create_app(args.model, args.api_key, args.weights_root, args.weights_group_timeout_s)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=args.keepalive_s)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -360,7 +422,14 @@ def main(argv: list[str] | None = None) -> int:
         "--weights-root", action="append", default=[],
         help="load weights only from under this directory (repeatable; none = anywhere)",
     )  # fmt: skip
+    parser.add_argument(
+        "--weights-group-timeout-s", type=float, default=120.0,
+        help="seconds a weight-update group waits for its peers (joining, each broadcast) "
+        "before the call fails",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.weights_group_timeout_s <= 0:
+        parser.error("--weights-group-timeout-s must be > 0")
     if args.events_file:
         events.configure(args.events_file, Path(args.events_file).stem)
     rolelog.setup(Path(args.events_file).stem if args.events_file else "server")

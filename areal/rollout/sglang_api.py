@@ -7,6 +7,12 @@
  build_update_weights_request ─POST /update_weights_from_disk─► parse_update_weights_body
  update_weights_problem ◄──────── JSON ──────────  format_update_weights_response
  build_pause_request / build_abort_request ──────► parse_pause_body / parse_abort_body
+ build_init_weights_group_request ─POST /init_weights_update_group─► parse_init_weights_group_body
+ build_update_weights_from_distributed_request ─POST /update_weights_from_distributed─►
+                                                   parse_update_weights_from_distributed_body
+ build_destroy_weights_group_request ─POST /destroy_weights_update_group─►
+                                                   parse_destroy_weights_group_body
+ success_problem ◄─────────── JSON ──────────────  format_success_response
                                                    format_model_info, format_server_info
  parse_weight_version: the one reader of a weight version on the wire (both sides)
 ```
@@ -16,6 +22,12 @@ strings on the wire, as SGLang sends them: `format_weight_version` writes one,
 `parse_weight_version` reads one. SGLang's initial version string "default" (a server started
 without --weight-version) reads as 0: SGLang starts from the base model, which is version 0
 of a run.
+
+A weight-update group (areal/weight_group.py) carries new weights without the disk: the trainer
+(rank 0) and the server join a group (/init_weights_update_group), then each
+/update_weights_from_distributed names one bucket of tensors (names, dtypes, shapes) that rank 0
+broadcasts, one tensor at a time, while the request waits; /destroy_weights_update_group leaves
+the group. All three answer SGLang's {"success", "message"}, 400 when refused.
 
 A server-side parser raises BadRequest (areal/rollout/http_error.py) with what to fix; the
 server answers it with 400 and SGLang's error body (`format_error`). A client-side parser
@@ -129,6 +141,61 @@ def build_update_weights_request(
     }
 
 
+DEFAULT_GROUP_NAME = "weight_update_group"
+"""SGLang's default name of a weight-update group."""
+
+
+def build_init_weights_group_request(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP_NAME,
+    backend: str = "nccl",
+) -> dict[str, Any]:
+    """The /init_weights_update_group body: join the group whose rank 0 (the trainer) serves
+    its store at master_address:master_port, as ranks rank_offset.. (one per server rank)."""
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def build_update_weights_from_distributed_request(
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    group_name: str,
+    weight_version: int,
+    abort_all_requests: bool = False,
+) -> dict[str, Any]:
+    """The /update_weights_from_distributed body of one bucket: rank 0 broadcasts its tensors
+    in the order of names while the request waits; report weight_version once applied."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
+            f"{len(shapes)})"
+        )
+    return {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [[int(d) for d in shape] for shape in shapes],
+        "group_name": group_name,
+        "flush_cache": True,
+        "abort_all_requests": abort_all_requests,
+        "weight_version": format_weight_version(weight_version),
+        "load_format": None,  # SGLang's default: one broadcast per tensor
+    }
+
+
+def build_destroy_weights_group_request(group_name: str = DEFAULT_GROUP_NAME) -> dict[str, Any]:
+    return {"group_name": group_name}
+
+
 def build_pause_request(mode: str = "abort") -> dict[str, Any]:
     return {"mode": mode}
 
@@ -230,6 +297,12 @@ def parse_batch_generate_response(body: Any, n: int) -> list[GenerateOutput]:
 
 def update_weights_problem(body: Any) -> str | None:
     """None when /update_weights_from_disk loaded the weights, else the server's reason."""
+    return success_problem(body)
+
+
+def success_problem(body: Any) -> str | None:
+    """None when an answer says {"success": true} (the weight-update routes), else the
+    server's reason."""
     if isinstance(body, dict) and body.get("success"):
         return None
     return error_message(body)
@@ -372,17 +445,131 @@ def parse_update_weights_body(body: dict) -> tuple[str, int | None, bool]:
     model_path = body.get("model_path")
     if not isinstance(model_path, str) or not model_path:
         raise BadRequest("model_path must be a non-empty string")
-    version = body.get("weight_version")
-    if version is not None:
-        try:
-            version = parse_weight_version(version)
-        except ValueError:
-            raise BadRequest(
-                f'weight_version {version!r} must be an integer version (e.g. "7") or null'
-            ) from None
+    version = _optional_version(body.get("weight_version"))
     abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
     _bool(body.get("flush_cache", True), "flush_cache")  # no cache to flush, but check it
     return model_path, version, abort_all
+
+
+@dataclass(frozen=True)
+class WeightsGroupSpec:
+    """A validated /init_weights_update_group body."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    """The server's (first) rank in the group; rank 0 is the trainer's."""
+    world_size: int
+    group_name: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A validated /update_weights_from_distributed body: one bucket of tensors."""
+
+    names: list[str]
+    dtypes: list[str]
+    """torch's names without the prefix ("bfloat16"); checked by the engine."""
+    shapes: list[list[int]]
+    group_name: str
+    weight_version: int | None
+    """None keeps the current version."""
+    abort_all_requests: bool
+
+
+def parse_init_weights_group_body(body: dict) -> WeightsGroupSpec:
+    """The group to join; the backend is the engine's to check (gloo, or nccl on cuda)."""
+    address = body.get("master_address")
+    if not isinstance(address, str) or not address:
+        raise BadRequest("master_address must be a non-empty string (the trainer's host)")
+    port = _int(body.get("master_port"), "master_port")
+    if not 0 < port < 65536:
+        raise BadRequest(f"master_port must be in 1..65535, got {port}")
+    world_size = _int(body.get("world_size"), "world_size")
+    rank_offset = _int(body.get("rank_offset"), "rank_offset")
+    if not 0 < rank_offset < world_size:
+        raise BadRequest(
+            f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer's), got "
+            f"{rank_offset} for world_size {world_size}"
+        )
+    backend = body.get("backend", "nccl")
+    if not isinstance(backend, str):
+        raise BadRequest(f"backend must be a string, got {backend!r}")
+    return WeightsGroupSpec(
+        master_address=address,
+        master_port=port,
+        rank_offset=rank_offset,
+        world_size=world_size,
+        group_name=_group_name(body),
+        backend=backend,
+    )
+
+
+def parse_update_weights_from_distributed_body(body: dict) -> BucketSpec:
+    """The bucket to receive. Refused here (before any broadcast is received) only what
+    cannot be received at all; names and shapes are checked against the model after."""
+    names = body.get("names")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise BadRequest("names must be a non-empty list of tensor names")
+    if len(set(names)) < len(names):
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        raise BadRequest(f"names must be unique; {', '.join(duplicated)} appear more than once")
+    dtypes = body.get("dtypes")
+    if not isinstance(dtypes, list) or not all(isinstance(d, str) for d in dtypes):
+        raise BadRequest('dtypes must be a list of dtype names ("bfloat16", "float32", ...)')
+    shapes = body.get("shapes")
+    if not isinstance(shapes, list):
+        raise BadRequest("shapes must be a list of shapes (lists of integers)")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest(
+            f"names, dtypes and shapes must have one entry per tensor; got {len(names)}, "
+            f"{len(dtypes)} and {len(shapes)}"
+        )
+    for name, shape in zip(names, shapes, strict=True):
+        if not isinstance(shape, list) or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
+        ):
+            raise BadRequest(f"the shape of {name} must be a list of sizes >= 0, got {shape!r}")
+    load_format = body.get("load_format")
+    if load_format is not None:
+        raise BadRequest(
+            f"load_format {load_format!r} is not supported by the embedded server; send null "
+            "(SGLang's default: one broadcast per tensor, in the order of names)"
+        )
+    abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
+    _bool(body.get("flush_cache", True), "flush_cache")  # no cache to flush, but check it
+    return BucketSpec(
+        names=names,
+        dtypes=dtypes,
+        shapes=shapes,
+        group_name=_group_name(body),
+        weight_version=_optional_version(body.get("weight_version")),
+        abort_all_requests=abort_all,
+    )
+
+
+def parse_destroy_weights_group_body(body: dict) -> str:
+    """The name of the group to leave."""
+    return _group_name(body)
+
+
+def _group_name(body: dict) -> str:
+    name = body.get("group_name", DEFAULT_GROUP_NAME)
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"group_name must be a non-empty string, got {name!r}")
+    return name
+
+
+def _optional_version(version: Any) -> int | None:
+    if version is None:
+        return None
+    try:
+        return parse_weight_version(version)
+    except ValueError:
+        raise BadRequest(
+            f'weight_version {version!r} must be an integer version (e.g. "7") or null'
+        ) from None
 
 
 def parse_abort_body(body: dict) -> tuple[str, bool]:
@@ -450,6 +637,12 @@ def format_update_weights_response(
     """SGLang's /update_weights_from_disk answer and its HTTP status (400 when refused)."""
     body = {"success": success, "message": message, "num_paused_requests": num_paused_requests}
     return body, 200 if success else 400
+
+
+def format_success_response(success: bool, message: str) -> tuple[dict[str, Any], int]:
+    """SGLang's answer to /init_weights_update_group, /update_weights_from_distributed and
+    /destroy_weights_update_group, and its HTTP status (400 when refused)."""
+    return {"success": success, "message": message}, 200 if success else 400
 
 
 def format_pause_response() -> dict[str, Any]:

@@ -41,10 +41,12 @@ port: `find_server` looks it up) and has loaded the latest version into it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from areal import rolelog
 from areal.comm.rpc import RpcClient
@@ -121,6 +123,7 @@ class RolloutWorker:
         # Held: asyncio keeps only weak references to tasks.
         self._recovery: asyncio.Task | None = None
         self._update_lock = asyncio.Lock()
+        self._group: str | None = None  # the weight-update group the server is in
 
     async def generate(
         self,
@@ -248,18 +251,141 @@ class RolloutWorker:
             "something other than weight updates is aborting requests on the inference server"
         )
 
-    async def update_weights(self, version: int, path: str) -> dict:
-        """Make the server generate with `version` from now on; {"version": what the
-        server holds, "loaded": whether it is `version`} (a down server loads it once back)."""
-        if self._latest is None or version > self._latest[0]:
-            self._latest = (version, path)
+    async def update_weights(
+        self,
+        version: int,
+        path: str | None,
+        disk_version: int | None = None,
+        broadcast: dict | None = None,
+    ) -> dict:
+        """Make the server generate with `version` from now on; {"version": what the server
+        holds, "loaded": whether it is `version`, "alive": whether it serves} (a down server
+        loads the newest version on disk once back).
+
+        From disk (weights.transport=disk): path is version's directory. By broadcast
+        (distributed): broadcast is the group to receive in, the buckets' specs
+        (areal/weight_group.py) and the directory the trainer writes `version` to if the
+        broadcast fails ("path"); path is the newest version on disk or being written there
+        (disk_version; the initial model's directory at 0): what a restarted server loads.
+        """
+        if path is not None:
+            newest = version if disk_version is None else disk_version
+            if self._latest is None or newest >= self._latest[0]:
+                self._latest = (newest, path)
         async with self._update_lock:
             if self._alive.is_set() and version > self.version:
                 try:
-                    await self._load(version, path)
+                    if broadcast is None:
+                        await self._load(version, path)
+                    else:
+                        await self._receive(version, broadcast)
                 except ServerDown as e:
                     self._server_down(str(e))
-            return {"version": self.version, "loaded": self.version >= version}
+            return {
+                "version": self.version,
+                "loaded": self.version >= version,
+                "alive": self._alive.is_set(),
+            }
+
+    async def _receive(self, version: int, broadcast: dict) -> None:
+        """Receive `version` in the weight-update group (joining it first when it is new).
+        A broadcast that fails: the server leaves the group and loads `version` from disk
+        inside the same pause (no token is generated with half-updated weights); a server
+        that does not answer within the group's deadline is down."""
+        group = broadcast["group"]
+        # The server's own collectives fail at timeout_s and it answers; past twice that it
+        # is hung (stopped, swapping) and counts as down.
+        deadline = 2 * group["timeout_s"] + 10
+        t0 = time.time()
+        try:
+            await asyncio.wait_for(self._join(group), deadline)
+            async with self._held_for_update(deadline):
+                try:
+                    for bucket in broadcast["buckets"]:
+                        await asyncio.wait_for(
+                            self.client.update_weights_from_distributed(
+                                **bucket, group_name=group["group_name"], weight_version=version
+                            ),
+                            deadline,
+                        )
+                except (RuntimeError, ValueError) as e:  # it answered: the broadcast failed
+                    await self._fall_back_to_disk(version, broadcast["path"], str(e), deadline)
+                    return
+        except (ServerDied, asyncio.TimeoutError) as e:
+            self._group = None
+            raise ServerDown(f"version {version}: {e or 'no answer in time'}") from e
+        except (RuntimeError, ValueError) as e:
+            # Joining failed (a member never came): the weights are unchanged; the next
+            # update forms a new group.
+            self._group = None
+            log.warning("version %d not received: joining its group failed (%s)", version, e)
+            return
+        self.version = version
+        rolelog.set_context(version=version)
+        log.info("received version %d in %.2fs", version, time.time() - t0)
+
+    async def _fall_back_to_disk(
+        self, version: int, path: str, reason: str, deadline: float
+    ) -> None:
+        """The broadcast of `version` failed: leave the broken group and load `version` from
+        path (the trainer writes there every version it failed to broadcast)."""
+        name, self._group = self._group, None
+        try:
+            await asyncio.wait_for(self.client.destroy_weights_update_group(name), deadline)
+        except (RuntimeError, ValueError) as e:  # a broken group may refuse: it is gone anyway
+            log.warning("leaving weight-update group %s: %s", name, e)
+        log.warning("version %d did not arrive by broadcast (%s): loading it from disk",
+                    version, reason)  # fmt: skip
+        await asyncio.wait_for(self._from_disk(version, path), self.update_timeout_s)
+        self.version = version
+        rolelog.set_context(version=version)
+
+    async def _from_disk(self, version: int, path: str, abort_all_requests: bool = False) -> None:
+        """update_weights_from_disk once the directory is complete: with the distributed
+        transport the trainer may still be writing it (in the background)."""
+        while not os.path.isdir(path):
+            await asyncio.sleep(0.05)
+        await self.client.update_weights_from_disk(path, version, abort_all_requests)
+
+    async def _join(self, group: dict) -> None:
+        if self._group == group["group_name"] and not group["new"]:
+            return
+        if self._group is not None:  # the server's old group (broken or not): left first
+            name, self._group = self._group, None
+            try:
+                await self.client.destroy_weights_update_group(name)
+            except (RuntimeError, ValueError) as e:
+                log.warning("leaving weight-update group %s: %s", name, e)
+        await self.client.init_weights_update_group(
+            group["master_address"],
+            group["master_port"],
+            group["rank"],
+            group["world_size"],
+            group["group_name"],
+            group["backend"],
+        )
+        self._group = group["group_name"]
+
+    @contextlib.asynccontextmanager
+    async def _held_for_update(self, deadline: float) -> AsyncIterator[None]:
+        """No token generated while the body changes the weights. Interruptible: pause the
+        server, aborting what is in flight (resubmitted at once, held by the server until
+        continue_generation: every resumed token has the new weights). Otherwise (the
+        paper's ablation) hold back new submissions until the in-flight ones finish: the
+        trainer's broadcast waits for them."""
+        if self.interruptible and self._in_flight:
+            await asyncio.wait_for(self.client.pause_generation("abort"), deadline)
+            try:
+                yield
+            finally:
+                await asyncio.wait_for(self.client.continue_generation(), deadline)
+        else:
+            self._open.clear()
+            try:
+                await self._idle.wait()
+                yield
+            finally:
+                self._open.set()
 
     async def _load(self, version: int, path: str) -> None:
         """Load `version` with retries; ServerDown when the server is gone or keeps refusing."""
@@ -288,7 +414,7 @@ class RolloutWorker:
             # resubmitted at once) and loads; the server holds what arrives meanwhile until
             # the new weights are in (SGLang: its weight-update lock), so every resumed
             # token is generated, and labelled, with the new version.
-            await self.client.update_weights_from_disk(path, version, abort_all_requests=True)
+            await self._from_disk(version, path, abort_all_requests=True)
         else:
             # Nothing to interrupt, or the ablation (let the in-flight ones finish): hold
             # back new submissions and load into an idle server (at max_staleness=0 every
@@ -296,7 +422,7 @@ class RolloutWorker:
             self._open.clear()
             try:
                 await self._idle.wait()
-                await self.client.update_weights_from_disk(path, version)
+                await self._from_disk(version, path)
             finally:
                 self._open.set()
 
@@ -304,6 +430,7 @@ class RolloutWorker:
         if not self._alive.is_set():
             return
         self._alive.clear()
+        self._group = None  # a restarted server is in no group
         log.warning("inference server %s is down (%s); recovering", self.client.base_url, reason)
         self._recovery = asyncio.create_task(self._recover())
         self._recovery.add_done_callback(

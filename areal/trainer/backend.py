@@ -12,6 +12,7 @@
 | reduce_grads        | yes         | gradients summed over the data-parallel replicas      |
 | optimizer_step      | yes         | clip + step + zero; the gradient norm before clipping |
 | save_hf             | if collect. | weights/vN/ or a checkpoint's model/ (HF format)      |
+| hf_tensors          | if collect. | the same weights in memory, for a broadcast           |
 | save_optimizer      | if collect. | the optimizer file(s) of the checkpoint directory     |
 | state_dict          | global 0    | plain values for trainer.json (optimizer step count)  |
 
@@ -109,6 +110,12 @@ class TrainerBackend(Protocol):
 
     def save_hf(self, out_dir: Path | None) -> None:
         """Write an HF model directory at out_dir (None: a collective save's other ranks)."""
+        ...
+
+    def hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every weight save_hf writes, for a broadcast
+        (weights.transport=distributed); if collect., every rank calls it (empty but on
+        global rank 0)."""
         ...
 
     def save_optimizer(self, directory: Path | None) -> None:

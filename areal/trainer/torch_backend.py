@@ -244,6 +244,17 @@ class TorchBackend:
         elif self.tokenizer is not None:
             self.tokenizer.save_pretrained(out)
 
+    def hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The model's tensors under their HF names (tied ones once), as save_hf writes them."""
+        assert not self.lora, "a LoRA run hands off its adapter on disk"
+        seen: set[int] = set()
+        out = []
+        for name, t in self.model.state_dict().items():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                out.append((name, t))
+        return out
+
     def save_optimizer(self, directory: Path | None) -> None:
         """Adam's moments and step counts into the checkpoint directory (optimizer-tp0-pp0,
         the one model-parallel position); the learning-rate schedule is in state_dict."""

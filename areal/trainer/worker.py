@@ -10,6 +10,8 @@ does in it (`dp.is_main`) talks to the controller and writes files:
       train_step: proximal log-probs, advantages, minibatch updates on this rank's share
       publish: rank 0 writes weights/v(i+1)/ + weights_ready(i+1) --> controller
                (collective backend: every rank contributes its slices of the weights)
+               weights.transport=distributed: rank 0 broadcasts v(i+1) to the servers
+               (trainer/broadcast.py), to disk every few versions in the background
       rank 0: one line of metrics.jsonl and of batches.jsonl
       save due? rank 0 decides --broadcast--> every rank; if so, a checkpoint of v(i+1):
                rank 0 writes and commits it with the controller's state
@@ -43,6 +45,7 @@ from areal.config import ExperimentConfig
 from areal.cores import role_cores
 from areal.data_plane import Puller
 from areal.trainer.backend import TrainerBackend
+from areal.trainer.broadcast import WeightBroadcaster
 from areal.trainer.factory import make_backend, make_reference
 from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import batch_split, train_step
@@ -90,10 +93,17 @@ def publish_weights(
     controller: SyncRpcClient | None,
     version: int,
     dp: DataParallel,
+    broadcaster: WeightBroadcaster | None = None,
 ) -> None:
-    """weights/v{version}/ and weights_ready to the controller (global rank 0); with a
+    """Hand `version` to the servers (global rank 0 tells the controller): weights/v{version}/
+    on disk, or by broadcast (weights.transport=distributed: the broadcaster). With a
     collective backend the other ranks contribute their slices of the weights."""
-    if dp.is_main:
+    if broadcaster is not None:  # global rank 0, by broadcast
+        with events.span("publish", version=version):
+            broadcaster.publish(controller, version, backend.hf_tensors())
+    elif cfg.weights.transport == "distributed" and backend.collective_save:
+        backend.hf_tensors()  # this rank's slices, gathered to global rank 0
+    elif dp.is_main:
         with events.span("publish", version=version):
             path = publish(cfg.exp_dir, version, backend.save_hf)
             controller.call("weights_ready", version=version, path=str(path))
@@ -221,9 +231,12 @@ def train(
         version = resume_from.version
     controller, metrics = None, None
     puller = Puller(key, cfg.exp_dir / "logs")
+    broadcaster = None
     if dp.is_main:
         controller = connect()
         metrics = _Metrics(cfg.exp_dir, dp)
+        if cfg.weights.transport == "distributed":
+            broadcaster = WeightBroadcaster(cfg, model_dir, version)
     t_saved = time.time()
     while version < cfg.total_train_steps:
         cores.wait()  # lends its cores to the servers until its batch comes
@@ -237,7 +250,7 @@ def train(
         stats["time/train_threads"] = cores.threads_mean()
         stale = staleness(trajs, version)
         version += 1  # the step is done: this rank holds the weights of the new version
-        publish_weights(cfg, backend, controller, version, dp)
+        publish_weights(cfg, backend, controller, version, dp, broadcaster)
         if dp.is_main:
             rolelog.set_context(version=version)
             log.info("trained in %.2fs, published version %d", t_train, version)
@@ -250,6 +263,8 @@ def train(
     if dp.is_main:
         metrics.close()
         controller.close()
+        if broadcaster is not None:
+            broadcaster.close()
 
 
 class _Metrics:

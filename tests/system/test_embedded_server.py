@@ -21,6 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
 from areal.rollout.client import SGLangClient
+from areal.rollout.sglang_api import (
+    build_destroy_weights_group_request,
+    build_init_weights_group_request,
+    build_update_weights_from_distributed_request,
+)
 from tests.system.conftest import copy_weights, embedded_server, ref_logprobs
 
 
@@ -493,6 +498,38 @@ def test_responses_match_sglang_field_for_field(server, model_dir, prompts):
             assert_shape(json.loads(data), SHAPES[shape or path[1:]])
         status, data = await raw("GET", server + "/get_server_info")
         assert_shape(json.loads(data), SHAPES["server_info_required"], exact=False)
+
+    run(body, server)
+
+
+def test_weight_group_requests_and_refusals_match_sglang(server):
+    """The weight-update group routes (a whole broadcast: tests/system/test_weight_broadcast.py):
+    our requests have SGLang's fields, and a refusal is SGLang's {success, message} with 400."""
+    requests = {
+        "init_weights_update_group": build_init_weights_group_request(
+            "127.0.0.1", 29500, 1, 2, "g", backend="mpi"
+        ),
+        "update_weights_from_distributed": build_update_weights_from_distributed_request(
+            ["model.norm.weight"], ["float32"], [[64]], "g", 1
+        ),
+        "destroy_weights_update_group": build_destroy_weights_group_request("g"),
+    }
+
+    async def body(client: SGLangClient):
+        messages = {}
+        for route, request in requests.items():
+            assert_shape(request, SHAPES[f"{route}_request"])
+            # No group "g" exists and backend "mpi" is not ours: each is refused at once.
+            status, data = await raw("POST", f"{server}/{route}", json=request)
+            answer = json.loads(data)
+            assert status == 400 and answer["success"] is False, answer
+            assert_shape(answer, SHAPES[route])
+            messages[route] = answer["message"]
+        assert "backend must be one of gloo, nccl" in messages["init_weights_update_group"]
+        assert "no weight-update group named 'g'" in messages["update_weights_from_distributed"]
+        with pytest.raises(RuntimeError, match="no weight-update group named 'g'"):
+            await client.destroy_weights_update_group("g")
+        assert await client.health()
 
     run(body, server)
 

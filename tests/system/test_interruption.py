@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from areal import weight_group
+from areal.comm.net import free_port
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
 from areal.rollout.worker import RolloutWorker
 from areal.trajectory import Trajectory
@@ -65,18 +68,58 @@ async def wait_generated(worker: RolloutWorker, n: int) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_updates_interrupt_generation_and_tokens_keep_their_version(server, versions):
+async def broadcast_update(worker: RolloutWorker, version: int, path: Path, new: bool) -> None:
+    """The worker receives `version` (path's weights) by broadcast, this process the trainer:
+    the controller's part (the group, the buckets) and the trainer's (joining, sending)."""
+    tensors = sorted(load_file(path / "model.safetensors").items())
+    buckets = list(weight_group.buckets(tensors, 20_000))
+    assert len(buckets) > 1
+    group = {
+        "group_name": "g", "world_size": 2, "rank": 1, "new": new, "backend": "gloo",
+        "master_address": "127.0.0.1", "master_port": broadcast_update.port, "timeout_s": 60,
+    }  # fmt: skip
+    receiving = worker.update_weights(
+        version, str(path.parent / "v0"), disk_version=0,
+        broadcast={"group": group, "buckets": [weight_group.spec(b) for b in buckets]},
+    )  # fmt: skip
+
+    def send() -> None:
+        if new:
+            broadcast_update.group = weight_group.open_group(
+                backend="gloo", master_address="127.0.0.1", master_port=group["master_port"],
+                rank=0, world_size=2, group_name="g", timeout_s=60,
+            )  # fmt: skip
+        for b in buckets:
+            weight_group.send(broadcast_update.group, [t for _, t in b])
+
+    reply, _ = await asyncio.gather(receiving, asyncio.to_thread(send))
+    assert reply == {"version": version, "loaded": True, "alive": True}
+
+
+@pytest.mark.parametrize("transport", ["disk", "distributed"])
+def test_updates_interrupt_generation_and_tokens_keep_their_version(server, versions, transport):
+    async def update(worker: RolloutWorker, v: int) -> None:
+        if transport == "disk":
+            await worker.update_weights(v, str(versions[v]))
+        else:
+            await broadcast_update(worker, v, versions[v], new=v == 1)
+
     async def body() -> tuple[list[Trajectory], dict]:
         worker = RolloutWorker(server, interruptible=True)
+        broadcast_update.port = free_port("127.0.0.1")
         try:
+            await worker.client.update_weights_from_disk(str(versions[0]), 0)  # from v0
             running = asyncio.create_task(
                 worker.generate(7, prompt(versions, 1), 4, SAMPLING, start_version=0)
             )
             for v in (1, 2):
                 await wait_generated(worker, 4 * 15)  # about 15 tokens each per version
                 assert not running.done(), "generation ended before the update: raise N_NEW"
-                await worker.update_weights(v, str(versions[v]))
+                await update(worker, v)
             trajs = [Trajectory.from_wire(w) for w in await asyncio.wait_for(running, 120)]
+            if transport == "distributed":
+                broadcast_update.group.close()
+                await worker.client.destroy_weights_update_group("g")
             return trajs, await worker.stats()
         finally:
             await worker.client.close()

@@ -99,7 +99,7 @@ def test_worker_returns_partial_samples_of_a_dead_server_and_recovers(tmp_path):
     # Killed mid-generation: every sample comes back unfinished, with what it had so far.
     assert all(t.finish_reason == "" for t in partial)
     assert all(0 < len(t.output_ids) < N_NEW and set(t.versions) == {0} for t in partial)
-    assert reply == {"version": 1, "loaded": False}
+    assert reply == {"version": 1, "loaded": False, "alive": False}
     assert all(t.finish_reason == "" and t.output_ids == [] for t in refused)
     # Back on the new server, which loaded version 2 before serving.
     assert back == {"version": 2}

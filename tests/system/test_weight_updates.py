@@ -52,7 +52,7 @@ def test_a_load_past_the_update_timeout_is_retried(served, caplog):
         finally:
             await worker.client.close()
 
-    assert asyncio.run(body()) == {"version": 1, "loaded": True}
+    assert asyncio.run(body()) == {"version": 1, "loaded": True, "alive": True}
     assert "loading version 1, attempt 1/3 failed: no answer within 1 s" in caplog.text
     assert "attempt 3/3" not in caplog.text
 
@@ -77,7 +77,7 @@ def test_a_server_that_keeps_refusing_counts_as_dead(served, caplog):
 
     before, reply, after, fatal = asyncio.run(body())
     assert all(t["finish_reason"] == "length" for t in before)
-    assert reply == {"version": 0, "loaded": False}
+    assert reply == {"version": 0, "loaded": False, "alive": False}
     assert "loading version 1, attempt 2/2 failed" in caplog.text
     assert "is not under any directory this server loads weights from" in caplog.text
     assert "is down (it refused version 1 2 times" in caplog.text

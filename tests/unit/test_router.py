@@ -51,7 +51,7 @@ class FakeWorker:
         if method == "update_weights":
             if not self.dying:
                 self.version = kw["version"]
-            return {"version": self.version, "loaded": not self.dying}
+            return {"version": self.version, "loaded": not self.dying, "alive": not self.dying}
         if method == "wait_ready":
             await self.back.wait()
             self.dying = False

@@ -64,6 +64,7 @@ class Embedded(InferenceBackend):
             "--seed": cfg.seed + k,
             "--dtype": cfg.model.dtype,
             "--weight-version": version,
+            "--weights-group-timeout-s": cfg.weights.timeout_s,
         }
         if cfg.stats.events:
             args["--events-file"] = events_path(cfg.exp_dir, f"server{k}")

@@ -42,7 +42,7 @@ from areal.trainer.batching import (
 from areal.trainer.logprobs import token_logprobs
 from areal.trainer.megatron import cuda_redirect, pipeline
 from areal.trainer.megatron.model import build_gpt_model, has_transformer_engine, read_hf_config
-from areal.trainer.megatron.weights_io import load_hf, save_hf
+from areal.trainer.megatron.weights_io import hf_tensors, load_hf, save_hf
 from areal.trainer.parallel import DataParallel, broadcast_plain
 
 
@@ -322,6 +322,11 @@ class MegatronBackend:
         """Write an HF directory at out_dir; every rank of the model-parallel group calls it
         (ranks other than global rank 0 pass None and only contribute their slices)."""
         save_hf(self.gpt, out_dir, self.shape, self.layout, self.model_dir, self.save_dtype)
+
+    def hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The HF-named tensors save_hf would write, on global rank 0 (empty elsewhere);
+        every rank of the trainer world calls it together."""
+        return list(hf_tensors(self.gpt, self.shape, self.layout))
 
     def state_dict(self) -> dict:
         """Global rank 0's part of the trainer state: the step count, and the layout that

@@ -11,6 +11,7 @@ same weights. The whole group must call `save_hf` together.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +64,31 @@ def save_hf(
     dtype: torch.dtype,
 ) -> None:
     """Write the model as an HF directory at out_dir (global rank 0 writes; see module doc)."""
+    writer = HFWriter(out_dir, dtype) if _is_writer() else None
+    for k, v in hf_tensors(model, shape, layout):
+        writer.add(k, v)
+    if writer is not None:
+        writer.close()
+        _write_config(Path(out_dir), Path(source_dir), dtype)
+
+
+def _is_writer() -> bool:
+    return dist.get_rank() == 0 if dist.is_initialized() else True
+
+
+def hf_tensors(
+    model: torch.nn.Module, shape: Qwen2Shape, layout: Any
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors under their HF names, yielded on global rank 0 (nothing on the
+    others); every rank of the trainer world must run it to the end (it gathers the tp
+    slices and receives the later stages' tensors)."""
     from megatron.core import parallel_state as ps
 
     tp, tp_rank, pp, stage = layout
     if ps.get_data_parallel_rank() != 0:
         return
-    is_writer = dist.get_rank() == 0 if dist.is_initialized() else True
+    is_writer = _is_writer()
     assert not is_writer or (stage == 0 and tp_rank == 0)
-    writer = HFWriter(out_dir, dtype) if is_writer else None
     params = _params(model)
     expected = hf_shapes(shape)
     tp_group = ps.get_tensor_model_parallel_group()
@@ -87,8 +105,7 @@ def save_hf(
                     hf = to_hf(name, [x.cpu() for x in slices], shape, pp, s)
             if s == 0:
                 if is_writer:
-                    for k, v in hf.items():
-                        writer.add(k, v)
+                    yield from hf.items()
                 continue
             # Later stages stream each HF tensor to rank 0, in stage_names order on both sides.
             if s == stage and tp_rank == 0:
@@ -99,10 +116,7 @@ def save_hf(
                 for k in hf_sources(name, shape, pp, s) if dummy is None else []:
                     buf = torch.empty(expected[k], dtype=params_dtype(model), device=_dev(model))
                     dist.recv(buf, src=_stage_rank0(s))
-                    writer.add(k, buf)
-    if writer is not None:
-        writer.close()
-        _write_config(Path(out_dir), Path(source_dir), dtype)
+                    yield k, buf
 
 
 def params_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -1,0 +1,140 @@
+"""weights.transport=distributed, the trainer's side: each version broadcast to the servers.
+
+    global rank 0, version v:
+      the HF tensors (backend.hf_tensors, in the servers' dtype), in buckets of bucket_mb
+      every disk_every-th version: a copy to weights/vN/, written in the background
+      controller.weights_ready(v, newest on disk, broadcast={buckets' specs, address})
+          <-- the group: name, world size, new?   (once the previous update is done)
+      new group: leave the old one, host the new one's store and join it as rank 0
+      per bucket: broadcast its tensors         (each server's rollout worker posts the
+                                                 bucket's /update_weights_from_distributed)
+
+The trainer waits for the broadcast (that is the hand-off's cost on its critical path) but
+not for the disk copy. A broadcast that fails (a server died, a deadline passed) is logged
+and the group dropped: the servers that missed it load the newest version on disk, and the
+next version is sent in a new group. Disk stays the source of truth for recovery: a server
+that restarts loads the newest version there, then joins at the next broadcast.
+
+gloo unless the servers are SGLang's (NCCL between GPUs); the group's device follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from areal import weight_group
+from areal.comm.net import advertised_host, free_port
+from areal.comm.rpc import SyncRpcClient
+from areal.config import ExperimentConfig
+from areal.weights import copy_companion_files, publish, version_dir
+
+log = logging.getLogger("areal.trainer")
+
+
+class WeightBroadcaster:
+    """Global rank 0's hand-off of each version by broadcast (and every few, to disk)."""
+
+    def __init__(self, cfg: ExperimentConfig, model_dir: str | Path, version: int):
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.dtype = getattr(torch, cfg.model.dtype)
+        self.backend = "nccl" if cfg.inference.backend == "sglang" else "gloo"
+        self.device = "cuda" if self.backend == "nccl" else "cpu"
+        self.host = advertised_host()
+        self.group: weight_group.Group | None = None
+        self.on_disk: tuple[int, str] = (version, str(model_dir))
+        """The newest version complete on disk: what a server falls back to."""
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="weights-to-disk")
+        self._writing: Future | None = None
+
+    def publish(
+        self,
+        controller: SyncRpcClient,
+        version: int,
+        named: Iterable[tuple[str, torch.Tensor]],
+    ) -> None:
+        named = [(n, t.detach().to(self.device, self.dtype).contiguous()) for n, t in named]
+        path = str(version_dir(self.cfg.exp_dir, version))  # where a server may read it
+        on_disk = version % self.cfg.weights.disk_every == 0
+        if on_disk:
+            self._to_disk(version, named)
+        buckets = list(weight_group.buckets(named, int(self.cfg.weights.bucket_mb * 2**20)))
+        group = controller.call(
+            "weights_ready",
+            version=version,
+            path=path if on_disk else self.on_disk[1],
+            disk_version=version if on_disk else self.on_disk[0],
+            broadcast={
+                "path": path,
+                "buckets": [weight_group.spec(b) for b in buckets],
+                "master_address": self.host,
+                "master_port": free_port(),
+                "backend": self.backend,
+                "timeout_s": self.cfg.weights.timeout_s,
+                "new_group": self.group is None,
+            },
+        )
+        try:
+            if group["new"] or group["world_size"] == 1:
+                self.close_group()
+            if group["world_size"] == 1:
+                return  # no server serves: each loads the newest on disk once back
+            if self.group is None:
+                self.group = weight_group.open_group(
+                    backend=self.backend,
+                    master_address=self.host,
+                    master_port=group["master_port"],
+                    rank=0,
+                    world_size=group["world_size"],
+                    group_name=group["group_name"],
+                    timeout_s=self.cfg.weights.timeout_s,
+                )
+            for bucket in buckets:
+                weight_group.send(self.group, [t for _, t in bucket])
+        except Exception as e:  # noqa: BLE001 (any failure of the group: drop it, go on)
+            log.warning(
+                "broadcasting version %d failed (%s: %s): the servers that missed it load it "
+                "from disk; the next version goes to a new group",
+                version, type(e).__name__, e,
+            )  # fmt: skip
+            self.close_group()
+            if not on_disk:  # the servers that missed it read it there
+                self._to_disk(version, named)
+
+    def _to_disk(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """weights/v{version}/ from a copy of the tensors (the training goes on meanwhile),
+        written after the previous one; on_disk moves once it is complete."""
+        copy = {n: t.to("cpu", copy=True) for n, t in named}
+        self.wait_for_disk()
+
+        def write(out: Path) -> None:
+            save_file(copy, str(out / "model.safetensors"), metadata={"format": "pt"})
+            shutil.copy2(self.model_dir / "config.json", out / "config.json")
+            copy_companion_files(self.model_dir, out)
+
+        def job() -> None:
+            self.on_disk = (version, str(publish(self.cfg.exp_dir, version, write)))
+
+        self._writing = self._writer.submit(job)
+
+    def wait_for_disk(self) -> None:
+        """Until the background copy to disk (if any) is complete; its error, if it failed."""
+        if self._writing is not None:
+            self._writing.result()
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def close(self) -> None:
+        self.wait_for_disk()
+        self._writer.shutdown()
+        self.close_group()
