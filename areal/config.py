@@ -301,6 +301,8 @@ class WeightsConfig(Section):
     """With transport=distributed: also write every this-many-th version to weights/vN/, in the background (a server that restarts or misses a broadcast loads the newest one from there); checkpoints always hold their weights."""  # noqa: E501
     bucket_mb: float = 512.0
     """With transport=distributed: tensors per update request, in MiB (a server holds one bucket beside its weights while it receives)."""  # noqa: E501
+    delta: bool = False
+    """With transport=distributed: send only what changed since the version every server of the group holds (each tensor's changed entries, their positions and a checksum of the result; whole where that is smaller), whole tensors to a new group. The trainer keeps a copy of the last version sent. Pays off for bf16 weights at RL learning rates (most entries round to the same bf16 value step to step); embedded servers only."""  # noqa: E501
     timeout_s: float = 120.0
     """With transport=distributed: seconds a rank waits for the others to join the group or for one broadcast before the update fails (the servers that missed it load the newest version from disk; the next update forms a new group)."""  # noqa: E501
 
@@ -959,6 +961,11 @@ class ExperimentConfig(Section):
 
     def _check_weights(self) -> None:
         if self.weights.transport == "disk":
+            if self.weights.delta:
+                raise ConfigError(
+                    "weights.delta sends what changed over the weight-update group: it needs "
+                    "weights.transport=distributed (or set weights.delta=false)"
+                )
             return
         why = None
         if self.inference.backend == "vllm":
@@ -972,6 +979,11 @@ class ExperimentConfig(Section):
             why = "launcher.type=inline runs the trainer and the engine in one process"
         if why:
             raise ConfigError(f"weights.transport=distributed: {why}; use weights.transport=disk")
+        if self.weights.delta and self.inference.backend != "embedded":
+            raise ConfigError(
+                "weights.delta needs inference.backend=embedded (SGLang's servers take whole "
+                "tensors only); set weights.delta=false"
+            )
 
     def _check_objective(self) -> None:
         """The ppo section against the rest; fills its lengths from rollout.max_new_tokens."""

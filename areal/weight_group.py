@@ -136,16 +136,19 @@ def receive(
 def buckets(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of tensors of about bucket_bytes each (a larger tensor alone)."""
+    """Consecutive runs of tensors of about bucket_bytes each (a larger tensor alone); the
+    parts of one delta (name:idx, name:val, name:sum) stay in one bucket."""
     bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    size, last = 0, None
     for name, t in named:
         nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        base = name.rpartition(":")[0] or name
+        if bucket and size + nbytes > bucket_bytes and base != last:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))
         size += nbytes
+        last = base
     if bucket:
         yield bucket
 
@@ -157,3 +160,65 @@ def spec(bucket: list[tuple[str, torch.Tensor]]) -> dict:
         "dtypes": [dtype_name(t.dtype) for _, t in bucket],
         "shapes": [list(t.shape) for _, t in bucket],
     }
+
+
+# ---- deltas: a version as what changed since the one every receiver holds ------------------
+# (a bucket of them is sent with load_format "delta", sglang_api.DELTA: the embedded server's)
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """An integer sum of a tensor's bits ([1] int64): the same on every device and thread
+    count, so that a receiver can check that a delta gave it the sender's tensor exactly."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(bits).sum(dtype=torch.int64).view(1)
+
+
+def encode_delta(name: str, new: torch.Tensor, old: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """`new` as the entries that differ from `old` (what the receiver holds): name:idx (flat
+    positions), name:val (their values), name:sum (checksum of new); `new` whole when that
+    is smaller; nothing when nothing changed."""
+    changed = (new != old).view(-1).nonzero().view(-1)
+    if changed.numel() == 0:
+        return []
+    idx = changed.to(torch.int32 if new.numel() < 2**31 else torch.int64)
+    delta_bytes = changed.numel() * (idx.element_size() + new.element_size()) + 8
+    if delta_bytes >= new.numel() * new.element_size():
+        return [(name, new)]
+    return [
+        (f"{name}:idx", idx),
+        (f"{name}:val", new.reshape(-1)[changed]),
+        (f"{name}:sum", checksum(new)),
+    ]
+
+
+def decode_delta(
+    state: dict[str, torch.Tensor], received: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The whole tensors a bucket of deltas gives, applied to `state` (the receiver's
+    weights, unchanged); ValueError when a part is missing or a checksum differs (the
+    receiver did not hold the version the delta is from)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, t in received.items():
+        name, sep, part = key.rpartition(":")
+        if not sep:
+            out[key] = t
+            continue
+        if part not in ("idx", "val", "sum"):
+            raise ValueError(f"{key}: a delta's parts are name:idx, name:val and name:sum")
+        if part != "idx":
+            continue
+        if name not in state:
+            raise ValueError(f"unexpected tensor {name} (not in the model's state_dict)")
+        try:
+            val, want = received[f"{name}:val"], received[f"{name}:sum"]
+        except KeyError as e:
+            raise ValueError(f"the delta of {name} lacks its part {e.args[0]}") from e
+        new = state[name].detach().clone()
+        new.view(-1)[t.long()] = val.to(new.dtype)
+        if not torch.equal(checksum(new).cpu(), want.cpu()):
+            raise ValueError(
+                f"the delta of {name} does not give the sender's tensor (checksum): this "
+                "server did not hold the version the delta is from; send it whole"
+            )
+        out[name] = new
+    return out

@@ -4,21 +4,24 @@
         [--dtype bfloat16] [--dir /tmp]
 
 Real embedded server processes (--servers of them) hold a random Qwen2 of the shape; this
-process stands in for trainer rank 0 and holds the same weights. Each repeat changes every
-weight (a new version) and hands it off both ways, interleaved:
+process stands in for trainer rank 0 and holds the same weights. Each repeat makes a new
+version by one RL step (every weight moves by --lr, Adam-like, from an fp32 master that
+sits anywhere in its bf16 rounding interval, as after many steps) and hands it off three
+ways, interleaved:
 - disk (weights.transport=disk, the paper's): areal.weights.publish writes weights/vN/
   (safetensors + config + tokenizer, atomic rename), then every server loads it at once
   (/update_weights_from_disk, concurrently);
 - broadcast (weights.transport=distributed): the trainer and the servers in one gloo
   weight-update group (formed once, before the timing: a run forms it at its first
   update); per bucket of --bucket-mb, every server's /update_weights_from_distributed
-  concurrently with the trainer's broadcast.
+  concurrently with the trainer's broadcast;
+- delta (weights.delta): the same, but only the entries that changed since the version the
+  servers hold (positions, values and a checksum per tensor; areal/weight_group.py).
 Timed from "the trainer holds vN" to "every server answers a generate with vN" (one token,
 its weight_version checked). Also: the trainer's blocked time (disk: the write; broadcast:
-the sends) and the bytes moved (disk: written once + read by each server; broadcast: sent
-to each server). Medians in seconds; the ratio disk / broadcast last.
-
-Deltas (weights.delta) are not built: only full versions.
+the sends; delta: encoding and sends) and the bytes moved (disk: written once + read by
+each server; broadcast: sent to each server). Medians in seconds; the ratios disk /
+broadcast and delta bytes / full bytes last.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from areal import weight_group
 from areal.comm.net import free_port
 from areal.rollout.client import SGLangClient
 from areal.rollout.launch import start_embedded_server, wait_for_server
+from areal.rollout.sglang_api import DELTA
 from areal.weights import copy_companion_files, publish
 
 QWEN2_0P5B = dict(
@@ -46,6 +50,7 @@ QWEN2_0P5B = dict(
     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
     rope_theta=1000000.0, tie_word_embeddings=True,
 )  # fmt: skip
+MODES = ("disk", "broadcast", "delta")
 SHAPES = {
     "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
@@ -82,13 +87,22 @@ async def by_disk(root: Path, model_dir: Path, tensors: dict, clients, version: 
     return total, blocked, nbytes
 
 
-async def by_broadcast(group, tensors: dict, clients, version: int, bucket_bytes: int) -> tuple:
+async def by_broadcast(
+    group, tensors: dict, clients, version: int, bucket_bytes: int, held: dict | None = None
+) -> tuple:
+    """Whole tensors, or with `held` (what the servers hold) deltas against it."""
     t0 = time.perf_counter()
-    blocked = 0.0
-    for bucket in weight_group.buckets(tensors.items(), bucket_bytes):
+    named = list(tensors.items())
+    if held is not None:
+        named = [e for n, t in named for e in weight_group.encode_delta(n, t, held[n])]
+    blocked = time.perf_counter() - t0
+    load_format = None if held is None else DELTA
+    for bucket in weight_group.buckets(named, bucket_bytes):
         spec = weight_group.spec(bucket)
         posts = [
-            c.update_weights_from_distributed(**spec, group_name=group.name, weight_version=version)
+            c.update_weights_from_distributed(
+                **spec, group_name=group.name, weight_version=version, load_format=load_format
+            )
             for c in clients
         ]
         t_send = time.perf_counter()
@@ -97,8 +111,21 @@ async def by_broadcast(group, tensors: dict, clients, version: int, bucket_bytes
         blocked += time.perf_counter() - t_send
     await check_serving(clients, version)
     total = time.perf_counter() - t0
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) * len(clients)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named) * len(clients)
     return total, blocked, nbytes
+
+
+def rl_step(tensors: dict, lr: float, gen: torch.Generator) -> None:
+    """One optimizer step of size lr on every weight (Adam's steps are about lr each), from an
+    fp32 master anywhere in the bf16 rounding interval of the weight: only the weights whose
+    master crosses a rounding boundary change in bf16."""
+    for t in tensors.values():
+        for chunk in t.view(-1).split(1 << 24):  # bounded temporaries
+            x = chunk.float()
+            ulp = torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(1e-30))) - 7)
+            master = x + (torch.rand(x.shape, generator=gen) - 0.5) * ulp
+            step = lr * torch.sign(torch.randn(x.shape, generator=gen))
+            chunk.copy_(master - step)
 
 
 async def run_shape(shape: str, args) -> dict:
@@ -134,21 +161,20 @@ async def run_shape(shape: str, args) -> dict:
                 timeout_s=600,
             )  # fmt: skip
             group, *_ = await asyncio.gather(opening, *joining)
-            rows = {"disk": [], "broadcast": []}
-            version = 0
+            rows = {m: [] for m in MODES}
+            version, gen, bucket = 0, torch.Generator().manual_seed(0), int(args.bucket_mb * 2**20)
             for _ in range(args.repeats):
-                for mode in ("disk", "broadcast"):
+                for mode in rows:
                     version += 1
-                    for t in tensors.values():  # a new version: every weight changes
-                        t.add_(1e-3)
+                    held = {n: t.clone() for n, t in tensors.items()} if mode == "delta" else None
+                    rl_step(tensors, args.lr, gen)
                     if mode == "disk":
                         rows[mode].append(await by_disk(root, model_dir, tensors, clients, version))
                     else:
                         rows[mode].append(
-                            await by_broadcast(
-                                group, tensors, clients, version, int(args.bucket_mb * 2**20)
-                            )
+                            await by_broadcast(group, tensors, clients, version, bucket, held)
                         )
+                    del held
             group.close()
         finally:
             for c in clients:
@@ -168,19 +194,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--bucket-mb", type=float, default=512.0)
+    parser.add_argument("--lr", type=float, default=1e-6, help="the step of each new version")
     parser.add_argument("--dir", default=None, help="where weights/vN is written (run storage)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"CPU, {args.dtype}, {args.servers} embedded servers, versions under "
-          f"{args.dir or tempfile.gettempdir()}; medians of {args.repeats}")  # fmt: skip
-    print(f"{'shape':>5} {'params':>8} | {'disk s':>7} {'blocked':>8} {'GB':>6} | "
-          f"{'bcast s':>7} {'blocked':>8} {'GB':>6} | {'disk/bcast':>10}")  # fmt: skip
+          f"{args.dir or tempfile.gettempdir()}, steps of lr {args.lr:g}; medians of "
+          f"{args.repeats}")  # fmt: skip
+    cols = " ".join(f"{c:>7}" for c in ("s", "blocked", "GB"))
+    print(f"{'':>14} | {'disk':^23} | {'broadcast':^23} | {'delta':^23} |")
+    print(f"{'shape':>5} {'params':>8} | {cols} | {cols} | {cols} | disk/bcast delta/full")
     for shape in args.shapes.split(","):
         r = asyncio.run(run_shape(shape, args))
-        d, b = r["disk"], r["broadcast"]
-        print(f"{shape:>5} {r['params'] / 1e6:>7.0f}M | {d[0]:>7.2f} {d[1]:>8.2f} "
-              f"{d[2] / 1e9:>6.2f} | {b[0]:>7.2f} {b[1]:>8.2f} {b[2] / 1e9:>6.2f} | "
-              f"{d[0] / b[0]:>9.2f}x")  # fmt: skip
+        cells = " | ".join(
+            f"{x[0]:>7.2f} {x[1]:>7.2f} {x[2] / 1e9:>7.3f}" for x in (r[m] for m in MODES)
+        )
+        d, b, x = (r[m] for m in MODES)
+        print(f"{shape:>5} {r['params'] / 1e6:>7.0f}M | {cells} | "
+              f"{d[0] / b[0]:>9.2f}x {x[2] / b[2]:>10.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

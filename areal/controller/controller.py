@@ -342,11 +342,17 @@ class Controller:
     ) -> None:
         async with self._update_lock:
             if broadcast is not None:
-                group = self.pool.plan_broadcast(broadcast)
+                try:
+                    group = self.pool.plan_broadcast(broadcast)
+                except Exception as e:  # the trainer waits for the plan: it gets the error
+                    planned.set_exception(e)
+                    raise
                 planned.set_result(group)
+                sent = broadcast["delta"] if group["delta"] else broadcast  # its buckets
                 broadcast = {
                     "group": group,
-                    "buckets": broadcast["buckets"],
+                    "buckets": sent["buckets"],
+                    "load_format": sent.get("load_format"),
                     "path": broadcast["path"],
                 }
             await self.pool.update_weights(version, path, disk_version, broadcast)

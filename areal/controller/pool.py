@@ -108,7 +108,9 @@ class WorkerPool:
         """The weight-update group of the next broadcast (weights.transport=distributed):
         the trainer (rank 0) and every serving worker's server. The same group while its
         members stay; a new one when a server went down or came back, a broadcast failed,
-        or the trainer asks (trainer["new_group"]). world_size 1: nobody to send to."""
+        or the trainer asks (trainer["new_group"]). world_size 1: nobody to send to.
+        "delta": whether to send the trainer's deltas (weights.delta): only to the same
+        group, every member of which holds the version before (the last update's)."""
         members = [k for k, ok in enumerate(self.router.alive) if ok]
         new = trainer["new_group"] or self._group is None or self._group[1] != members
         if new:
@@ -122,6 +124,7 @@ class WorkerPool:
             "master_port": trainer["master_port"],
             "backend": trainer["backend"],
             "timeout_s": trainer["timeout_s"],
+            "delta": not new and trainer["delta"] is not None,
         }
 
     async def update_weights(

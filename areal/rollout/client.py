@@ -137,13 +137,15 @@ class SGLangClient(HttpClient):
         group_name: str,
         weight_version: int,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         """Receive one bucket (names, dtypes, shapes) that rank 0 broadcasts meanwhile, one
         tensor at a time in the order of names; report weight_version once applied.
-        RuntimeError with the server's message when it refuses the bucket (then the model
-        is unchanged) or the broadcast fails."""
+        load_format "delta": the bucket holds deltas (areal/weight_group.py; the embedded
+        server only). RuntimeError with the server's message when it refuses the bucket
+        (then the model is unchanged) or the broadcast fails."""
         body = api.build_update_weights_from_distributed_request(
-            names, dtypes, shapes, group_name, weight_version, abort_all_requests
+            names, dtypes, shapes, group_name, weight_version, abort_all_requests, load_format
         )
         return await self._weights_call(
             "/update_weights_from_distributed",

@@ -71,8 +71,9 @@ from areal.rollout.activity import DecodeMeter
 from areal.rollout.generation import PAUSE_MODES, GenerationResult, Request, SamplingParams
 from areal.rollout.kv_cache import KVCache
 from areal.rollout.sampling import sample
+from areal.rollout.sglang_api import DELTA
 from areal.rollout.weight_loading import base_copy, load_adapter_merged, load_checked
-from areal.weight_group import BACKENDS, Group, dtype_of, open_group, receive
+from areal.weight_group import BACKENDS, Group, decode_delta, dtype_of, open_group, receive
 
 __all__ = ["DecodeEngine", "GenerationResult", "SamplingParams", "length_buckets"]
 
@@ -321,6 +322,7 @@ class DecodeEngine:
         group_name: str = "weight_update_group",
         weight_version: int | None = None,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> tuple[bool, str]:
         """Receive one bucket of tensors from rank 0 of the group (one broadcast per name, in
         order), then apply it as update_weights() applies a directory (same waits, aborts
@@ -351,6 +353,11 @@ class DecodeEngine:
                 f"Failed to receive weights over group {group_name} (the group is now broken: "
                 f"destroy it and form a new one): {e}"
             )
+        if load_format == DELTA:  # what changed since the weights held now: whole tensors
+            try:
+                tensors = decode_delta(self.model.state_dict(), tensors)
+            except ValueError as e:
+                return False, f"Failed to update weights over group {group_name}: {e}"
         problems = _bucket_problems(self.model.state_dict(), tensors)
         if problems:
             return False, f"Failed to update weights over group {group_name}: {problems}"

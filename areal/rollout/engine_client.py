@@ -132,9 +132,10 @@ class EngineClient:
         group_name: str,
         weight_version: int,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         body = api.build_update_weights_from_distributed_request(
-            names, dtypes, shapes, group_name, weight_version, abort_all_requests
+            names, dtypes, shapes, group_name, weight_version, abort_all_requests, load_format
         )
         spec = self._parsed(api.parse_update_weights_from_distributed_body, body)
         result = await asyncio.to_thread(
@@ -145,6 +146,7 @@ class EngineClient:
             spec.group_name,
             spec.weight_version,
             spec.abort_all_requests,
+            spec.load_format,
         )
         return self._answer(
             result, f"refused weights (version {weight_version}) over group {group_name}"

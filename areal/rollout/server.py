@@ -192,6 +192,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             spec.group_name,
             spec.weight_version,
             spec.abort_all_requests,
+            spec.load_format,
         )
     if not result[0]:
         logger.warning("refused a weight bucket: %s", result[1])

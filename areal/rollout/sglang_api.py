@@ -44,6 +44,10 @@ from areal.rollout.generation import PAUSE_MODES, GenerationResult, SamplingPara
 from areal.rollout.http_error import BadRequest
 from areal.rollout.inference import FINISH_REASONS, GenerateOutput
 
+DELTA = "delta"
+"""The load_format of a bucket of deltas (areal/weight_group.py's encode_delta): the
+embedded server's own; SGLang's servers take none."""
+
 FLUSH_CACHE_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
     "waiting requests, the operation will not be performed.)\n"
@@ -172,9 +176,12 @@ def build_update_weights_from_distributed_request(
     group_name: str,
     weight_version: int,
     abort_all_requests: bool = False,
+    load_format: str | None = None,
 ) -> dict[str, Any]:
     """The /update_weights_from_distributed body of one bucket: rank 0 broadcasts its tensors
-    in the order of names while the request waits; report weight_version once applied."""
+    in the order of names while the request waits; report weight_version once applied.
+    load_format None is SGLang's (one broadcast per tensor); "delta" areal's deltas
+    (areal/weight_group.py), which only the embedded server takes."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(
             f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
@@ -188,7 +195,7 @@ def build_update_weights_from_distributed_request(
         "flush_cache": True,
         "abort_all_requests": abort_all_requests,
         "weight_version": format_weight_version(weight_version),
-        "load_format": None,  # SGLang's default: one broadcast per tensor
+        "load_format": load_format,
     }
 
 
@@ -476,6 +483,8 @@ class BucketSpec:
     weight_version: int | None
     """None keeps the current version."""
     abort_all_requests: bool
+    load_format: str | None = None
+    """None: whole tensors; "delta": areal's deltas (areal/weight_group.py)."""
 
 
 def parse_init_weights_group_body(body: dict) -> WeightsGroupSpec:
@@ -532,10 +541,11 @@ def parse_update_weights_from_distributed_body(body: dict) -> BucketSpec:
         ):
             raise BadRequest(f"the shape of {name} must be a list of sizes >= 0, got {shape!r}")
     load_format = body.get("load_format")
-    if load_format is not None:
+    if load_format not in (None, DELTA):
         raise BadRequest(
             f"load_format {load_format!r} is not supported by the embedded server; send null "
-            "(SGLang's default: one broadcast per tensor, in the order of names)"
+            f"(SGLang's default: one broadcast per tensor, in the order of names) or {DELTA!r}"
+            " (areal's deltas)"
         )
     abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
     _bool(body.get("flush_cache", True), "flush_cache")  # no cache to flush, but check it
@@ -546,6 +556,7 @@ def parse_update_weights_from_distributed_body(body: dict) -> BucketSpec:
         group_name=_group_name(body),
         weight_version=_optional_version(body.get("weight_version")),
         abort_all_requests=abort_all,
+        load_format=load_format,
     )
 
 

@@ -304,7 +304,10 @@ class RolloutWorker:
                     for bucket in broadcast["buckets"]:
                         await asyncio.wait_for(
                             self.client.update_weights_from_distributed(
-                                **bucket, group_name=group["group_name"], weight_version=version
+                                **bucket,
+                                group_name=group["group_name"],
+                                weight_version=version,
+                                load_format=broadcast["load_format"],
                             ),
                             deadline,
                         )
@@ -328,23 +331,31 @@ class RolloutWorker:
         self, version: int, path: str, reason: str, deadline: float
     ) -> None:
         """The broadcast of `version` failed: leave the broken group and load `version` from
-        path (the trainer writes there every version it failed to broadcast)."""
+        path, where the trainer writes every version whose broadcast failed on its side; if
+        it did not fail there (this server refused), the newest version on disk."""
         name, self._group = self._group, None
         try:
             await asyncio.wait_for(self.client.destroy_weights_update_group(name), deadline)
         except (RuntimeError, ValueError) as e:  # a broken group may refuse: it is gone anyway
             log.warning("leaving weight-update group %s: %s", name, e)
-        log.warning("version %d did not arrive by broadcast (%s): loading it from disk",
-                    version, reason)  # fmt: skip
-        await asyncio.wait_for(self._from_disk(version, path), self.update_timeout_s)
+        try:
+            await asyncio.wait_for(_complete(path), deadline)
+        except asyncio.TimeoutError:
+            if self._latest is None:
+                raise RuntimeError(f"version {version} is not on disk ({reason})") from None
+            version, path = self._latest
+        log.warning("a version did not arrive by broadcast (%s): loading version %d from disk",
+                    reason, version)  # fmt: skip
+        await asyncio.wait_for(
+            self.client.update_weights_from_disk(path, version), self.update_timeout_s
+        )
         self.version = version
         rolelog.set_context(version=version)
 
     async def _from_disk(self, version: int, path: str, abort_all_requests: bool = False) -> None:
         """update_weights_from_disk once the directory is complete: with the distributed
         transport the trainer may still be writing it (in the background)."""
-        while not os.path.isdir(path):
-            await asyncio.sleep(0.05)
+        await _complete(path)
         await self.client.update_weights_from_disk(path, version, abort_all_requests)
 
     async def _join(self, group: dict) -> None:
@@ -474,3 +485,9 @@ class RolloutWorker:
         n, self.n_interrupted = self.n_interrupted, 0
         abandoned, self.n_abandoned = self.n_abandoned, 0
         return {"n_interrupted": n, "n_abandoned": abandoned, "in_flight": self._in_flight}
+
+
+async def _complete(path: str) -> None:
+    """Until the version directory exists (weights are renamed into place when complete)."""
+    while not os.path.isdir(path):
+        await asyncio.sleep(0.05)

@@ -33,6 +33,7 @@ from areal import weight_group
 from areal.comm.net import advertised_host, free_port
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
+from areal.rollout.sglang_api import DELTA
 from areal.weights import copy_companion_files, publish, version_dir
 
 log = logging.getLogger("areal.trainer")
@@ -45,6 +46,7 @@ class WeightBroadcaster:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.dtype = getattr(torch, cfg.model.dtype)
+        self.bucket_bytes = int(cfg.weights.bucket_mb * 2**20)
         self.backend = "nccl" if cfg.inference.backend == "sglang" else "gloo"
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.host = advertised_host()
@@ -53,6 +55,10 @@ class WeightBroadcaster:
         """The newest version complete on disk: what a server falls back to."""
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="weights-to-disk")
         self._writing: Future | None = None
+        self._held: dict[str, torch.Tensor] | None = None
+        """weights.delta: the version every server of the group holds (the last one sent)."""
+        self.stats: dict[str, float] = {}
+        """The last version's hand-off, for the metrics line."""
 
     def publish(
         self,
@@ -65,7 +71,8 @@ class WeightBroadcaster:
         on_disk = version % self.cfg.weights.disk_every == 0
         if on_disk:
             self._to_disk(version, named)
-        buckets = list(weight_group.buckets(named, int(self.cfg.weights.bucket_mb * 2**20)))
+        full = list(weight_group.buckets(named, self.bucket_bytes))
+        delta = self._delta(named)
         group = controller.call(
             "weights_ready",
             version=version,
@@ -73,7 +80,12 @@ class WeightBroadcaster:
             disk_version=version if on_disk else self.on_disk[0],
             broadcast={
                 "path": path,
-                "buckets": [weight_group.spec(b) for b in buckets],
+                "buckets": [weight_group.spec(b) for b in full],
+                "delta": delta
+                and {
+                    "buckets": [weight_group.spec(b) for b in delta],
+                    "load_format": DELTA,
+                },
                 "master_address": self.host,
                 "master_port": free_port(),
                 "backend": self.backend,
@@ -81,6 +93,8 @@ class WeightBroadcaster:
                 "new_group": self.group is None,
             },
         )
+        sent = delta if group["delta"] else full
+        self._held = None  # until every server holds this version
         try:
             if group["new"] or group["world_size"] == 1:
                 self.close_group()
@@ -96,7 +110,7 @@ class WeightBroadcaster:
                     group_name=group["group_name"],
                     timeout_s=self.cfg.weights.timeout_s,
                 )
-            for bucket in buckets:
+            for bucket in sent:
                 weight_group.send(self.group, [t for _, t in bucket])
         except Exception as e:  # noqa: BLE001 (any failure of the group: drop it, go on)
             log.warning(
@@ -107,6 +121,22 @@ class WeightBroadcaster:
             self.close_group()
             if not on_disk:  # the servers that missed it read it there
                 self._to_disk(version, named)
+            return
+        if self.cfg.weights.delta:
+            self._held = {n: t.clone() for n, t in named}
+        servers = group["world_size"] - 1
+        self.stats = {
+            "weights/sent_bytes": float(_nbytes(sent) * servers),
+            "weights/full_bytes": float(_nbytes(full) * servers),
+        }
+
+    def _delta(self, named: list[tuple[str, torch.Tensor]]) -> list | None:
+        """The buckets of what changed since the version the group holds (weights.delta),
+        if it may be sent: the group goes on and received that version."""
+        if self._held is None or self.group is None:
+            return None
+        entries = [e for n, t in named for e in weight_group.encode_delta(n, t, self._held[n])]
+        return list(weight_group.buckets(entries, self.bucket_bytes))
 
     def _to_disk(self, version: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """weights/v{version}/ from a copy of the tensors (the training goes on meanwhile),
@@ -138,3 +168,7 @@ class WeightBroadcaster:
         self.wait_for_disk()
         self._writer.shutdown()
         self.close_group()
+
+
+def _nbytes(buckets: list[list[tuple[str, torch.Tensor]]]) -> int:
+    return sum(t.numel() * t.element_size() for b in buckets for _, t in b)

@@ -251,6 +251,8 @@ def train(
         stale = staleness(trajs, version)
         version += 1  # the step is done: this rank holds the weights of the new version
         publish_weights(cfg, backend, controller, version, dp, broadcaster)
+        if broadcaster is not None:
+            stats.update(broadcaster.stats)
         if dp.is_main:
             rolelog.set_context(version=version)
             log.info("trained in %.2fs, published version %d", t_train, version)

@@ -32,7 +32,7 @@ def test_a_distributed_run_trains_on_the_weights_it_broadcasts(tmp_path):
     steps = 12
     proc = run_train(
         tmp_path, f"total_train_steps={steps}", "trial_name=bcast", "rollout.n_servers=2",
-        "weights.disk_every=5", *DISTRIBUTED,
+        "weights.disk_every=5", "weights.delta=true", *DISTRIBUTED,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     exp_dir = tmp_path / "tiny/bcast"
@@ -43,6 +43,11 @@ def test_a_distributed_run_trains_on_the_weights_it_broadcasts(tmp_path):
     assert sum(m["train/fresh_tokens"] for m in metrics) > 0
     assert max(m["train/fresh_logprob_diff_max"] for m in metrics) < 1e-3
     assert metrics[-1]["rollout/server_version_min"] >= steps - 4
+    # weights.delta: whole tensors to the new group, then deltas where they are smaller (in
+    # float32 at this learning rate every entry changes: whole again; test_interruption.py
+    # checks deltas that are smaller, token by token).
+    sent = [m["weights/sent_bytes"] / m["weights/full_bytes"] for m in metrics]
+    assert sent[0] == 1.0 and max(sent) <= 1.0, sent
     for k in (0, 1):  # every version by broadcast, one group for the whole run
         log = _rollout_log(exp_dir, k)
         assert "received version 1 " in log and f"received version {steps - 1} " in log, log

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from areal import weight_group
 from areal.comm.net import free_port
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
+from areal.rollout.sglang_api import DELTA
 from areal.rollout.worker import RolloutWorker
 from areal.trajectory import Trajectory
 from tests.system.conftest import copy_weights, embedded_server, ref_logprobs
@@ -68,19 +69,30 @@ async def wait_generated(worker: RolloutWorker, n: int) -> None:
         await asyncio.sleep(0.01)
 
 
-async def broadcast_update(worker: RolloutWorker, version: int, path: Path, new: bool) -> None:
+async def broadcast_update(
+    worker: RolloutWorker, version: int, path: Path, new: bool, held: Path | None = None
+) -> None:
     """The worker receives `version` (path's weights) by broadcast, this process the trainer:
-    the controller's part (the group, the buckets) and the trainer's (joining, sending)."""
+    the controller's part (the group, the buckets) and the trainer's (joining, sending).
+    held: the weights the server holds, to send deltas against (weights.delta)."""
     tensors = sorted(load_file(path / "model.safetensors").items())
+    if held is not None:
+        old = load_file(held / "model.safetensors")
+        tensors = [e for n, t in tensors for e in weight_group.encode_delta(n, t, old[n])]
+        assert sum(t.numel() for _, t in tensors) < 0.01 * sum(t.numel() for t in old.values())
     buckets = list(weight_group.buckets(tensors, 20_000))
-    assert len(buckets) > 1
+    assert len(buckets) > 1 or held is not None
     group = {
         "group_name": "g", "world_size": 2, "rank": 1, "new": new, "backend": "gloo",
         "master_address": "127.0.0.1", "master_port": broadcast_update.port, "timeout_s": 60,
     }  # fmt: skip
     receiving = worker.update_weights(
         version, str(path.parent / "v0"), disk_version=0,
-        broadcast={"group": group, "buckets": [weight_group.spec(b) for b in buckets]},
+        broadcast={
+            "group": group,
+            "buckets": [weight_group.spec(b) for b in buckets],
+            "load_format": None if held is None else DELTA,
+        },
     )  # fmt: skip
 
     def send() -> None:
@@ -102,7 +114,9 @@ def test_updates_interrupt_generation_and_tokens_keep_their_version(server, vers
         if transport == "disk":
             await worker.update_weights(v, str(versions[v]))
         else:
-            await broadcast_update(worker, v, versions[v], new=v == 1)
+            # v2 as a delta against v1 (only model.norm.weight differs)
+            held = versions[1] if v == 2 else None
+            await broadcast_update(worker, v, versions[v], new=v == 1, held=held)
 
     async def body() -> tuple[list[Trajectory], dict]:
         worker = RolloutWorker(server, interruptible=True)

@@ -141,6 +141,21 @@ def test_empty_file_and_empty_section_mean_defaults(tmp_path: Path) -> None:
         (["trial_name=a/b"], ["trial_name must be one directory name"]),
         (["ppo.adv_norm=group", "rollout.group_size=1"], ["ppo.adv_norm=group", "group_size"]),
         (["ppo.n_minibatches=1000"], ["ppo.n_minibatches", "trainer.batch_size"]),
+        (["weights.transport=rdma"], ["weights.transport must be one of disk, distributed"]),
+        (["weights.disk_every=0"], ["weights.disk_every must be > 0"]),
+        (["weights.delta=true"], ["weights.delta", "weights.transport=distributed"]),
+        (
+            ["weights.transport=distributed", "model.lora.rank=4"],
+            ["weights.transport=distributed: a LoRA run", "use weights.transport=disk"],
+        ),
+        (
+            ["weights.transport=distributed", "launcher.type=inline"],
+            ["weights.transport=distributed: launcher.type=inline"],
+        ),
+        (
+            ["weights.transport=distributed", "weights.delta=true", "inference.backend=sglang"],
+            ["weights.delta needs inference.backend=embedded"],
+        ),
     ],
 )
 def test_override_errors_name_the_key(overrides: list[str], expected: list[str]) -> None:

@@ -117,3 +117,32 @@ def test_buckets_keep_order_and_size_and_spec_describes_them():
         wg.dtype_of("float33")
     with pytest.raises(ValueError, match="differ in length"):
         wg.receive(None, ["a"], [], [[1]])
+
+
+def test_a_delta_gives_the_new_tensor_bit_for_bit_and_only_from_the_old_one():
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    new.view(-1)[::50] += 1.0  # 2% of the entries change
+    parts = wg.encode_delta("w", new, old)
+    assert [n for n, _ in parts] == ["w:idx", "w:val", "w:sum"]
+    assert sum(t.numel() * t.element_size() for _, t in parts) < 0.1 * new.numel() * 2
+    got = wg.decode_delta({"w": old, "b": old}, dict(parts))
+    assert torch.equal(got["w"], new)
+    # From weights other than the old ones the checksum refuses it.
+    with pytest.raises(ValueError, match="did not hold the version the delta is from"):
+        wg.decode_delta({"w": old + 1}, dict(parts))
+    with pytest.raises(ValueError, match="lacks its part w:sum"):
+        wg.decode_delta({"w": old}, dict(parts[:2]))
+    # Where most entries change, the tensor goes whole; whole tensors pass through.
+    dense = old + 1
+    assert wg.encode_delta("w", dense, old) == [("w", dense)]
+    assert wg.decode_delta({"w": old}, {"w": dense})["w"] is dense
+    assert wg.encode_delta("w", old.clone(), old) == []  # unchanged: nothing to send
+
+
+def test_buckets_keep_the_parts_of_a_delta_together():
+    parts = [("a:idx", torch.zeros(30)), ("a:val", torch.zeros(30)), ("a:sum", torch.zeros(1))]
+    named = [("x", torch.zeros(10)), *parts, ("y", torch.zeros(10))]
+    got = [[n for n, _ in b] for b in wg.buckets(named, 100)]
+    assert got == [["x"], ["a:idx", "a:val", "a:sum"], ["y"]]
