@@ -213,8 +213,8 @@ def decode_delta(
             val, want = received[f"{name}:val"], received[f"{name}:sum"]
         except KeyError as e:
             raise ValueError(f"the delta of {name} lacks its part {e.args[0]}") from e
-        new = state[name].detach().clone()
-        new.view(-1)[t.long()] = val.to(new.dtype)
+        new = state[name].detach().clone()  # on the receiver's device; the parts may not be
+        new.view(-1)[t.to(new.device, torch.long)] = val.to(new.device, new.dtype)
         if not torch.equal(checksum(new).cpu(), want.cpu()):
             raise ValueError(
                 f"the delta of {name} does not give the sender's tensor (checksum): this "

@@ -81,11 +81,9 @@ class WeightBroadcaster:
             broadcast={
                 "path": path,
                 "buckets": [weight_group.spec(b) for b in full],
-                "delta": delta
-                and {
-                    "buckets": [weight_group.spec(b) for b in delta],
-                    "load_format": DELTA,
-                },
+                "delta": None
+                if delta is None  # an empty delta (nothing changed) is one to send
+                else {"buckets": [weight_group.spec(b) for b in delta], "load_format": DELTA},
                 "master_address": self.host,
                 "master_port": free_port(),
                 "backend": self.backend,
