@@ -46,6 +46,16 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
+def write_tensors(out: Path, tensors: dict, model_dir: Path) -> None:
+    """A version directory from tensors in memory: model.safetensors, and the config,
+    tokenizer and generation files of the model directory they came from."""
+    from safetensors.torch import save_file  # imports torch: only the writers need it
+
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy2(model_dir / "config.json", out / "config.json")
+    copy_companion_files(model_dir, out)
+
+
 def version_name(version: int) -> str:
     """The directory name of a version, here and in checkpoints/: v000007."""
     return f"v{version:06d}"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import shutil
 import statistics
 import tempfile
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from shapes import QWEN2_1P5B, save_random_qwen2
 
 from areal import weight_group
@@ -43,7 +44,7 @@ from areal.comm.net import free_port
 from areal.rollout.client import SGLangClient
 from areal.rollout.launch import start_embedded_server, wait_for_server
 from areal.rollout.sglang_api import DELTA
-from areal.weights import copy_companion_files, publish
+from areal.weights import publish, write_tensors
 
 QWEN2_0P5B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -72,11 +73,7 @@ async def check_serving(clients: list[SGLangClient], version: int) -> None:
 async def by_disk(root: Path, model_dir: Path, tensors: dict, clients, version: int) -> tuple:
     t0 = time.perf_counter()
 
-    def write(out: Path) -> None:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        shutil.copy2(model_dir / "config.json", out / "config.json")
-        copy_companion_files(model_dir, out)
-
+    write = functools.partial(write_tensors, tensors=tensors, model_dir=model_dir)
     path = await asyncio.to_thread(publish, root, version, write)
     blocked = time.perf_counter() - t0
     await asyncio.gather(*(c.update_weights_from_disk(str(path), version) for c in clients))

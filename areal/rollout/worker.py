@@ -333,11 +333,7 @@ class RolloutWorker:
         """The broadcast of `version` failed: leave the broken group and load `version` from
         path, where the trainer writes every version whose broadcast failed on its side; if
         it did not fail there (this server refused), the newest version on disk."""
-        name, self._group = self._group, None
-        try:
-            await asyncio.wait_for(self.client.destroy_weights_update_group(name), deadline)
-        except (RuntimeError, ValueError) as e:  # a broken group may refuse: it is gone anyway
-            log.warning("leaving weight-update group %s: %s", name, e)
+        await asyncio.wait_for(self._leave(), deadline)
         try:
             await asyncio.wait_for(_complete(path), deadline)
         except asyncio.TimeoutError:
@@ -361,12 +357,7 @@ class RolloutWorker:
     async def _join(self, group: dict) -> None:
         if self._group == group["group_name"] and not group["new"]:
             return
-        if self._group is not None:  # the server's old group (broken or not): left first
-            name, self._group = self._group, None
-            try:
-                await self.client.destroy_weights_update_group(name)
-            except (RuntimeError, ValueError) as e:
-                log.warning("leaving weight-update group %s: %s", name, e)
+        await self._leave()  # the server's old group (broken or not), if any
         await self.client.init_weights_update_group(
             group["master_address"],
             group["master_port"],
@@ -376,6 +367,16 @@ class RolloutWorker:
             group["backend"],
         )
         self._group = group["group_name"]
+
+    async def _leave(self) -> None:
+        """The server leaves its weight-update group, if it is in one."""
+        name, self._group = self._group, None
+        if name is None:
+            return
+        try:
+            await self.client.destroy_weights_update_group(name)
+        except (RuntimeError, ValueError) as e:  # a broken group may refuse: it is gone anyway
+            log.warning("leaving weight-update group %s: %s", name, e)
 
     @contextlib.asynccontextmanager
     async def _held_for_update(self, deadline: float) -> AsyncIterator[None]:

@@ -20,21 +20,20 @@ gloo unless the servers are SGLang's (NCCL between GPUs); the group's device fol
 
 from __future__ import annotations
 
+import functools
 import logging
-import shutil
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from areal import weight_group
 from areal.comm.net import advertised_host, free_port
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
 from areal.rollout.sglang_api import DELTA
-from areal.weights import copy_companion_files, publish, version_dir
+from areal.weights import publish, version_dir, write_tensors
 
 log = logging.getLogger("areal.trainer")
 
@@ -142,12 +141,8 @@ class WeightBroadcaster:
         copy = {n: t.to("cpu", copy=True) for n, t in named}
         self.wait_for_disk()
 
-        def write(out: Path) -> None:
-            save_file(copy, str(out / "model.safetensors"), metadata={"format": "pt"})
-            shutil.copy2(self.model_dir / "config.json", out / "config.json")
-            copy_companion_files(self.model_dir, out)
-
         def job() -> None:
+            write = functools.partial(write_tensors, tensors=copy, model_dir=self.model_dir)
             self.on_disk = (version, str(publish(self.cfg.exp_dir, version, write)))
 
         self._writing = self._writer.submit(job)
