@@ -296,7 +296,7 @@ class WeightsConfig(Section):
     _section: ClassVar[str] = "weights"
 
     transport: str = "disk"
-    """How a new version reaches the inference servers: disk (the paper's: the trainer writes weights/vN/ and each server loads it) or distributed (the trainer broadcasts the tensors to the servers over a weight-update group, SGLang's /update_weights_from_distributed: gloo on CPUs, NCCL on GPUs; the embedded server and SGLang)."""  # noqa: E501
+    """How a new version reaches the inference servers: disk (the paper's: the trainer writes weights/vN/ and each server loads it) or distributed (the trainer broadcasts the tensors to the servers over a weight-update group, SGLang's /update_weights_from_distributed: gloo on CPUs, NCCL on GPUs; the embedded server and SGLang through SGLang's routes, vLLM through areal's worker extension)."""  # noqa: E501
     disk_every: int = 1
     """With transport=distributed: also write every this-many-th version to weights/vN/, in the background (a server that restarts or misses a broadcast loads the newest one from there); checkpoints always hold their weights."""  # noqa: E501
     bucket_mb: float = 512.0
@@ -968,12 +968,7 @@ class ExperimentConfig(Section):
                 )
             return
         why = None
-        if self.inference.backend == "vllm":
-            why = (
-                "inference.backend=vllm receives weights from disk only (its worker "
-                "extension does not join a weight-update group yet)"
-            )
-        elif self.model.lora.enabled:
+        if self.model.lora.enabled:
             why = "a LoRA run hands off its adapter through disk (the adapter alone is small)"
         elif self.launcher.type == "inline":
             why = "launcher.type=inline runs the trainer and the engine in one process"

@@ -100,7 +100,10 @@ class Controller:
         self.rows = rows
         self.tokenizer = tokenizer
         self.reward = reward
-        self.pool = WorkerPool(workers, cfg.exp_dir)
+        # Every worker of a tensor-parallel SGLang or vLLM server is a rank of the
+        # weight-update group; an embedded server is one process.
+        tp = 1 if cfg.inference.backend == "embedded" else cfg.inference.tp_size
+        self.pool = WorkerPool(workers, cfg.exp_dir, ranks_per_server=tp)
         self.draws = Draws(rows, cfg.seed)
         self.gate = StalenessGate(
             cfg.trainer.batch_size, cfg.max_staleness, cfg.rollout.max_concurrent

@@ -41,8 +41,10 @@ _ABANDON_TIMEOUT_S = 30.0
 
 
 class WorkerPool:
-    def __init__(self, workers: list[RpcClient], exp_dir: Path):
+    def __init__(self, workers: list[RpcClient], exp_dir: Path, ranks_per_server: int = 1):
         self.workers = workers
+        self.ranks_per_server = ranks_per_server
+        """Ranks a server takes in a weight-update group (its tensor-parallel size)."""
         self.exp_dir = exp_dir
         self.router = Router(len(workers))
         self.alive = asyncio.Condition()
@@ -118,7 +120,7 @@ class WorkerPool:
             self._group = (f"areal-weights-{self._generation}", members)
         return {
             "group_name": self._group[0],
-            "world_size": len(members) + 1,
+            "world_size": len(members) * self.ranks_per_server + 1,
             "new": new,
             "master_address": trainer["master_address"],
             "master_port": trainer["master_port"],
@@ -143,7 +145,8 @@ class WorkerPool:
         def args(k: int) -> dict:
             if broadcast is None or k not in self._group[1]:
                 return {}
-            group = {**broadcast["group"], "rank": 1 + self._group[1].index(k)}
+            rank = 1 + self._group[1].index(k) * self.ranks_per_server  # its first rank
+            group = {**broadcast["group"], "rank": rank}
             return {"broadcast": {**broadcast, "group": group}}
 
         replies = await asyncio.gather(

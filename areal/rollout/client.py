@@ -138,6 +138,7 @@ class SGLangClient(HttpClient):
         weight_version: int,
         abort_all_requests: bool = False,
         load_format: str | None = None,
+        flush_cache: bool = True,
     ) -> dict[str, Any]:
         """Receive one bucket (names, dtypes, shapes) that rank 0 broadcasts meanwhile, one
         tensor at a time in the order of names; report weight_version once applied.
@@ -145,7 +146,8 @@ class SGLangClient(HttpClient):
         server only). RuntimeError with the server's message when it refuses the bucket
         (then the model is unchanged) or the broadcast fails."""
         body = api.build_update_weights_from_distributed_request(
-            names, dtypes, shapes, group_name, weight_version, abort_all_requests, load_format
+            names, dtypes, shapes, group_name, weight_version, abort_all_requests, load_format,
+            flush_cache,
         )
         return await self._weights_call(
             "/update_weights_from_distributed",

@@ -177,11 +177,14 @@ def build_update_weights_from_distributed_request(
     weight_version: int,
     abort_all_requests: bool = False,
     load_format: str | None = None,
+    flush_cache: bool = True,
 ) -> dict[str, Any]:
     """The /update_weights_from_distributed body of one bucket: rank 0 broadcasts its tensors
     in the order of names while the request waits; report weight_version once applied.
     load_format None is SGLang's (one broadcast per tensor); "delta" areal's deltas
-    (areal/weight_group.py), which only the embedded server takes."""
+    (areal/weight_group.py), which only the embedded server takes. flush_cache: this bucket
+    completes the version (SGLang then empties its prefix cache; vLLM applies the version's
+    buckets, which it holds until then)."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(
             f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
@@ -192,7 +195,7 @@ def build_update_weights_from_distributed_request(
         "dtypes": list(dtypes),
         "shapes": [[int(d) for d in shape] for shape in shapes],
         "group_name": group_name,
-        "flush_cache": True,
+        "flush_cache": bool(flush_cache),
         "abort_all_requests": abort_all_requests,
         "weight_version": format_weight_version(weight_version),
         "load_format": load_format,

@@ -67,6 +67,8 @@ REQUEST_ID_PREFIX = "generate-tokens-"
 """vLLM's engine id of a /inference/v1/generate request is this prefix + its request_id."""
 RELOAD_METHOD = "areal_reload_weights"
 """The worker extension's method (areal/rollout/vllm_ext.py) that /collective_rpc calls."""
+GROUP_METHODS = ("areal_init_weights_group", "areal_receive_weights", "areal_destroy_weights_group")
+"""Its methods for a weight-update group: join, receive a bucket, leave."""
 
 # SGLang sampling parameter -> vLLM SamplingParams field (same meaning).
 _RENAMED = {
@@ -295,6 +297,74 @@ class VLLMClient(HttpClient):
         finally:
             await self._call("POST", "/resume", None)
         return {"success": True, "message": f"loaded {model_path}", "num_paused_requests": 0}
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Join the weight-update group (each of the server's workers as rank_offset + its
+        tp rank); answers once every rank joined. RuntimeError when it fails."""
+        kwargs = dict(master_address=master_address, master_port=master_port,
+                      rank_offset=rank_offset, world_size=world_size, group_name=group_name,
+                      backend=backend)  # fmt: skip
+        results = await self._group_rpc(
+            GROUP_METHODS[0], kwargs, f"could not join weight-update group {group_name}"
+        )
+        return {"success": True, "message": results[0]}
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: int,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """Receive one bucket that rank 0 broadcasts meanwhile. The server holds the buckets
+        of a version and loads them with the last one (flush_cache), then serves
+        weight_version with an empty prefix cache. Pause first (the rollout worker does):
+        the load runs between engine steps, and a request that spans it would mix versions.
+        RuntimeError when the server refuses the version (nothing loaded) or the broadcast
+        fails."""
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r}: vLLM's servers take whole tensors")
+        if abort_all_requests:
+            await self.abort_request(abort_all=True)
+        kwargs = dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                      weight_version=format_weight_version(weight_version),
+                      apply=bool(flush_cache))  # fmt: skip
+        what = f"refused weights (version {weight_version}) over group {group_name}"
+        await self._group_rpc(GROUP_METHODS[1], kwargs, what)
+        if flush_cache:
+            await self.set_weight_version(weight_version)
+            await self._call("POST", "/reset_prefix_cache", None)
+        return {"success": True, "message": f"received {len(names)} tensors"}
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
+        """Leave the weight-update group (a broken one too)."""
+        results = await self._group_rpc(
+            GROUP_METHODS[2], {}, f"could not leave weight-update group {group_name}"
+        )
+        return {"success": True, "message": results[0]}
+
+    async def _group_rpc(self, method: str, kwargs: dict, what: str) -> list[Any]:
+        """/collective_rpc of a weight-update group method (areal/rollout/vllm_ext.py);
+        RuntimeError "<server> <what>: <its message>"."""
+        rpc = {"method": method, "kwargs": kwargs}
+        try:
+            return parse_collective_rpc(await self._call("POST", "/collective_rpc", rpc))
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.base_url} {what}: {e}") from e
 
     async def _load_adapter(self, path: str, version: int, abort_all_requests: bool) -> dict:
         """Serve the LoRA adapter at path as `version` (module docstring: the order)."""

@@ -301,13 +301,15 @@ class RolloutWorker:
             await asyncio.wait_for(self._join(group), deadline)
             async with self._held_for_update(deadline):
                 try:
-                    for bucket in broadcast["buckets"]:
+                    last = len(broadcast["buckets"]) - 1
+                    for i, bucket in enumerate(broadcast["buckets"]):
                         await asyncio.wait_for(
                             self.client.update_weights_from_distributed(
                                 **bucket,
                                 group_name=group["group_name"],
                                 weight_version=version,
                                 load_format=broadcast["load_format"],
+                                flush_cache=i == last,
                             ),
                             deadline,
                         )

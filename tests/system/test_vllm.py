@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from areal.comm.net import free_port
@@ -29,6 +30,7 @@ from areal.rollout.backends.vllm import (
 from areal.rollout.inference import GenerateOutput
 from areal.rollout.launch import wait_for_server
 from areal.rollout.vllm_client import VLLMClient
+from areal.weight_group import buckets, open_group, send, spec
 from tests.system.conftest import copy_weights, ref_logprobs
 
 pytestmark = [
@@ -239,3 +241,80 @@ def test_requests_after_idle_gaps_longer_than_the_keepalive_are_answered(server)
         return outs + [await client.generate([5, 6, 7], {"max_new_tokens": 1})]
 
     assert [len(o.output_ids) for o in _run(server, body)] == [1] * 4
+
+
+def test_a_version_broadcast_in_buckets_is_applied_with_its_last_bucket(server, models):
+    """weights.transport=distributed on vLLM: the worker extension joins the group as rank 1
+    and holds each bucket until the version's last (flush_cache), which it applies whole: a
+    layer's q, k and v split over buckets are one qkv_proj here. Until then it serves the
+    version before; after it, the new one exactly (the tied LM head re-packed). A bucket with
+    a name or shape the checkpoint lacks is refused, after its broadcast (the group stays in
+    step), and changes nothing."""
+    root, v0, v1, prompt = models
+
+    def change(t):  # every layer's attention and the tied embedding/LM head
+        g = torch.Generator().manual_seed(2)
+        for name, x in t.items():
+            if "self_attn" in name or "embed_tokens" in name:
+                x += 0.05 * torch.randn(x.shape, generator=g)
+
+    v2 = copy_weights(v0, root / "weights" / "v2", change)
+    named = sorted(load_file(v2 / "model.safetensors").items())
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    parts = list(buckets(named, total // 4))
+    where: dict[str, set[int]] = {}  # a layer's attention -> the buckets it is in
+    for i, bucket in enumerate(parts):
+        for n, _ in bucket:
+            where.setdefault(n.rsplit(".", 2)[0], set()).add(i)
+    assert any(len(b) > 1 for b in where.values()), "no attention split over buckets"
+    params = {"max_new_tokens": 16, "temperature": T, "ignore_eos": True}
+    group_name = "areal-test-group"
+
+    async def send_bucket(client, group, bucket, version, last):
+        update = asyncio.create_task(
+            client.update_weights_from_distributed(
+                **spec(bucket), group_name=group_name, weight_version=version, flush_cache=last
+            )
+        )
+        await asyncio.to_thread(send, group, [t.contiguous() for _, t in bucket])
+        return await update
+
+    async def body(client):
+        port = free_port("127.0.0.1")
+        joining = asyncio.create_task(
+            client.init_weights_update_group("127.0.0.1", port, 1, 2, group_name, "gloo")
+        )
+        group = await asyncio.to_thread(
+            open_group, backend="gloo", master_address="127.0.0.1", master_port=port, rank=0,
+            world_size=2, group_name=group_name, timeout_s=60,
+        )  # fmt: skip
+        try:
+            assert "as rank 1 of 2" in (await joining)["message"]
+            before = await client.get_weight_version()  # 1 after the test above, else 0
+            await client.pause_generation("abort")
+            for bucket in parts[:-1]:
+                await send_bucket(client, group, bucket, 2, last=False)
+            await client.continue_generation()
+            held = await client.generate(prompt, params)  # the buckets are only held
+            await client.pause_generation("abort")
+            await send_bucket(client, group, parts[-1], 2, last=True)
+            await client.continue_generation()
+            new = await client.generate(prompt, params)
+            name, t = named[0]
+            with pytest.raises(RuntimeError, match=r"refused weights \(version 3\).*shape"):
+                await send_bucket(client, group, [(name, t[:1].contiguous())], 3, last=True)
+            with pytest.raises(RuntimeError, match="unexpected tensor model.nope"):
+                await send_bucket(client, group, [("model.nope", t)], 3, last=True)
+            after = await client.generate(prompt, params)
+            assert "left" in (await client.destroy_weights_update_group(group_name))["message"]
+            return before, held, new, after, await client.server_info()
+        finally:
+            group.close()
+
+    before, held, new, after, info = _run(server, body)
+    assert (held.weight_version, new.weight_version, after.weight_version) == (before, 2, 2)
+    assert info["weight_version"] == "2" and not info["is_paused"]
+    _assert_logprobs(_model([v0, v1][before]), prompt, held)
+    m2 = _model(v2)
+    _assert_logprobs(m2, prompt, new)
+    _assert_logprobs(m2, prompt, after)

@@ -54,15 +54,21 @@ def vllm_processes(exp_dir: Path) -> list[int]:
 
 
 def test_a_tiny_run_on_vllm_learns_and_survives_a_killed_server(tmp_path):
-    """The vLLM run of docs/guides/inference.md: every trained token's behaviour log-prob is
-    vLLM's and equals the trainer's for fresh tokens, updates interrupt generation mid-sample,
-    the reward rises; a SIGKILLed vLLM server (with its engine processes) is restarted, reloads the
-    newest weights, and the run goes on to its last step. Its server closes connections idle
-    for 1 s (uvicorn's default is 5): until the kill, no server is down and no sample is
-    resubmitted (requests that meet a connection it has just closed are sent again)."""
+    """The vLLM run of docs/guides/inference.md, its weights broadcast
+    (weights.transport=distributed: the worker extension in the trainer's gloo group): every
+    trained token's behaviour log-prob is vLLM's and equals the trainer's for fresh tokens,
+    updates interrupt generation mid-sample, the reward rises; a SIGKILLed vLLM server (with its
+    engine processes) is restarted, reloads the newest weights from disk, joins a new group and
+    the run goes on to its last step. Its server closes connections idle for 1 s (uvicorn's
+    default is 5): until the kill, no server is down and no sample is resubmitted (requests that
+    meet a connection it has just closed are sent again). The LoRA run below takes weights from
+    disk."""
     steps = 100
     exp_dir = tmp_path / "tiny_vllm/run0"
-    overrides = (f"total_train_steps={steps}", "inference.server_keepalive_s=1")
+    overrides = (
+        f"total_train_steps={steps}", "inference.server_keepalive_s=1",
+        "weights.transport=distributed",
+    )  # fmt: skip
     with launched(tmp_path, *overrides, config=CONFIG) as launcher:
         _wait_for(
             lambda: (exp_dir / "metrics.jsonl").exists() and len(read_metrics(exp_dir)) >= 30,
@@ -84,6 +90,11 @@ def test_a_tiny_run_on_vllm_learns_and_survives_a_killed_server(tmp_path):
     assert "role server0 was killed by SIGKILL; restarting it (1/3)" in err
     assert sum(m["rollout/resubmitted"] for m in before_kill[0]) == 0
     assert " is down (" not in before_kill[1]
+    assert "received version 1 in" in before_kill[1]  # by broadcast
+    # Back from disk, then in a new group: later versions arrive by broadcast again.
+    rollout_log = (exp_dir / "logs/rollout0.log").read_text()
+    after_kill = rollout_log[rollout_log.rindex(" is back at version ") :]
+    assert "received version " in after_kill, rollout_log[-3000:]
     metrics = read_metrics(exp_dir)
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     assert all(m["staleness/max"] <= 4 for m in metrics)

@@ -100,3 +100,33 @@ def test_weights_load_everywhere_and_older_versions_are_retired(tmp_path):
 
     asyncio.run(body())
     assert published_versions(tmp_path) == [2]
+
+
+def test_each_tensor_parallel_worker_of_a_server_takes_a_rank_of_the_weight_group(tmp_path):
+    """A server of tp_size 2 joins as ranks rank_offset and rank_offset + 1 (SGLang's and the
+    vLLM extension's rule), so the group has 1 + 2 ranks per server and no two servers share
+    one; the same group serves the next update while its members stay."""
+    trainer = dict(master_address="127.0.0.1", master_port=1, backend="gloo", timeout_s=5.0,
+                   delta=None, new_group=False)  # fmt: skip
+
+    async def body():
+        workers = [FakeWorker(), FakeWorker(), FakeWorker()]
+        sent: list[dict] = []
+        for w in workers:
+            call = w.call
+
+            async def recording(method, _call=call, **kw):
+                if method == "update_weights":
+                    sent.append(kw["broadcast"]["group"])
+                return await _call(method, **kw)
+
+            w.call = recording
+        pool = WorkerPool(workers, tmp_path, ranks_per_server=2)
+        group = pool.plan_broadcast(trainer)
+        assert group["world_size"] == 7 and group["new"]
+        await pool.update_weights(1, None, 0, {"group": group, "buckets": []})
+        assert sorted(g["rank"] for g in sent) == [1, 3, 5]
+        assert not pool.plan_broadcast(trainer)["new"]
+        pool.close()
+
+    asyncio.run(body())

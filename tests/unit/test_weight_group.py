@@ -86,9 +86,10 @@ def test_a_receiver_killed_mid_update_fails_the_sender_instead_of_hanging():
     # The receiver joins, then is stopped before it receives: the sender's broadcast of a
     # large tensor cannot complete; killed, its socket closes and the sender fails.
     proc = _spawn(_receiver, port, 1, 2, out, 60.0)
+    # 20 s: a spawned process imports torch before it joins (over 5 s on a busy 2-core machine).
     group = wg.open_group(
         backend="gloo", master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-        group_name="g", timeout_s=5,
+        group_name="g", timeout_s=20,
     )  # fmt: skip
     os.kill(proc.pid, signal.SIGSTOP)
     t0 = time.monotonic()

@@ -227,6 +227,8 @@ class VLLM(InferenceBackend):
             keepalive_s=int(inf.server_keepalive_s),
             lora_rank=cfg.model.lora.rank,
         )  # fmt: skip
+        # vllm_ext.GROUP_TIMEOUT_ENV (not imported: that module imports torch).
+        env["AREAL_WEIGHTS_GROUP_TIMEOUT_S"] = str(cfg.weights.timeout_s)
         if device == "cpu":  # its share of the node's cores, as an embedded server's
             from areal.cores import role_threads
 
