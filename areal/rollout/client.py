@@ -146,7 +146,13 @@ class SGLangClient(HttpClient):
         server only). RuntimeError with the server's message when it refuses the bucket
         (then the model is unchanged) or the broadcast fails."""
         body = api.build_update_weights_from_distributed_request(
-            names, dtypes, shapes, group_name, weight_version, abort_all_requests, load_format,
+            names,
+            dtypes,
+            shapes,
+            group_name,
+            weight_version,
+            abort_all_requests,
+            load_format,
             flush_cache,
         )
         return await self._weights_call(

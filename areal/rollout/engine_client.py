@@ -136,7 +136,13 @@ class EngineClient:
         flush_cache: bool = True,
     ) -> dict[str, Any]:
         body = api.build_update_weights_from_distributed_request(
-            names, dtypes, shapes, group_name, weight_version, abort_all_requests, load_format,
+            names,
+            dtypes,
+            shapes,
+            group_name,
+            weight_version,
+            abort_all_requests,
+            load_format,
             flush_cache,
         )
         spec = self._parsed(api.parse_update_weights_from_distributed_body, body)
