@@ -46,22 +46,34 @@ class DataParallel:
         group: dist.ProcessGroup | None = None,
         global_rank: int | None = None,
         global_size: int | None = None,
+        model_parallel: dist.ProcessGroup | None = None,
     ):
         """rank/world_size: this rank among the data-parallel replicas, whose `group` (None:
         the whole world) the reductions run over. With tensor or pipeline parallelism the
-        world is larger (global_size = tp * pp * dp) and the batch broadcast reaches all of it.
+        world is larger (global_size = tp * pp * dp) and the batch broadcast reaches all of it;
+        model_parallel is the group of this rank's replica (its tp * pp ranks).
         """
         assert 0 <= rank < world_size
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        self.model_parallel = (
+            model_parallel if model_parallel and model_parallel.size() > 1 else None
+        )
         self.global_rank = rank if global_rank is None else global_rank
         self.global_size = world_size if global_size is None else global_size
         # NCCL reduces CUDA tensors only; gloo CPU tensors.
         self.device = device or torch.device("cpu")
 
-    def replicas(self, rank: int, world_size: int, group: dist.ProcessGroup | None) -> DataParallel:
-        """The same world with reductions over the data-parallel group `group` only."""
+    def replicas(
+        self,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        model_parallel: dist.ProcessGroup | None = None,
+    ) -> DataParallel:
+        """The same world with reductions over the data-parallel group `group` only; this
+        rank's replica is the group model_parallel."""
         return DataParallel(
             rank,
             world_size,
@@ -69,7 +81,22 @@ class DataParallel:
             group=group,
             global_rank=self.global_rank,
             global_size=self.global_size,
+            model_parallel=model_parallel,
         )
+
+    @property
+    def replica_head(self) -> bool:
+        """The first rank of this rank's replica (every rank without model parallelism)."""
+        mp = self.model_parallel
+        return mp is None or dist.get_process_group_ranks(mp)[0] == self.global_rank
+
+    def from_replica_head(self, obj: Any = None) -> Any:
+        """The replica head's plain-data object on every rank of its replica (tp * pp ranks),
+        sent within that group only."""
+        mp = self.model_parallel
+        if mp is None:
+            return obj
+        return broadcast_plain(obj, dist.get_process_group_ranks(mp)[0], mp, self.device)
 
     @property
     def is_main(self) -> bool:

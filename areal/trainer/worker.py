@@ -177,9 +177,10 @@ def batch_trajectories(
 ) -> tuple[list[Trajectory | TrajectoryRef], dict[str, float]]:
     """The batch as train_step takes it, and what this rank received of it. Relay: whole
     trajectories. Pull: references, with this rank's own share (the split train_step
-    makes, from the lengths) fetched from their holders and whole; the others stay
-    references. Every rank fetches its share, tensor and pipeline ranks of one replica
-    alike: one round trip to each holder, no collective."""
+    makes, from the lengths) whole; the others stay references. The replica's head fetches
+    the share from the holders (one round trip to each) and sends it to the replica's other
+    tensor and pipeline ranks, within that group only; data/pulled_bytes counts what came
+    from the holders."""
     wires = reply["trajectories"]
     if not wires or not is_ref(wires[0]):
         return [Trajectory.from_wire(d) for d in wires], {}
@@ -188,7 +189,12 @@ def batch_trajectories(
     *_, mine = batch_split(seqlens, cfg.ppo.n_minibatches, _step_args(cfg, version)["seed"], dp)
     before = puller.bytes_in
     with events.span("pull", version=version, seqs=len(mine)):
-        for i, t in zip(mine, puller.pull([trajs[i] for i in mine]), strict=True):
+        share = puller.pull([trajs[i] for i in mine]) if dp.replica_head else None
+        if dp.model_parallel is not None:
+            sent = dp.from_replica_head(None if share is None else [t.to_wire() for t in share])
+            if share is None:
+                share = [Trajectory.from_wire(d) for d in sent]
+        for i, t in zip(mine, share, strict=True):
             trajs[i] = t
     received = float(puller.bytes_in - before)
     total, most = dp.all_reduce([received], "sum")[0], dp.all_reduce([received], "max")[0]

@@ -135,6 +135,58 @@ def test_pulled_shares_train_bit_identically_to_the_relayed_batch(model_dir, tmp
         assert info["received"]["data/pulled_bytes"] == infos[0]["bytes"] + infos[1]["bytes"]
 
 
+def _replica_rank_main(rank: int, tmp: str, port: int) -> None:
+    """Rank `rank` of 2 replicas x 2 model-parallel ranks (as Megatron's tp=2, dp=2 lays
+    them out: replica r is ranks 2r and 2r+1); records what it got and what it fetched."""
+    import torch.distributed as dist
+
+    join_world(rank, 4, port)
+    world = init_data_parallel(4, rank, timeout_s=60)
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes every group
+    models = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp = world.replicas(rank // 2, 2, replicas[rank % 2], models[rank // 2])
+    cfg = load_config(None, OVERRIDES)
+    out = Path(tmp)
+    try:
+        reply = {"trajectories": wire.unpack((out / "refs").read_bytes())}
+        puller = Puller(KEY, out / "logs")
+        trajs, received = batch_trajectories(cfg, reply, VERSION, dp, puller)
+        puller.close()
+        whole = {i: t.to_wire() for i, t in enumerate(trajs) if isinstance(t, Trajectory)}
+        info = {"head": dp.replica_head, "bytes": puller.bytes_in, "received": received}
+        (out / f"replica_rank{rank}.msgpack").write_bytes(wire.pack({**info, "whole": whole}))
+    finally:
+        world.close()
+
+
+@pytest.mark.timeout(180)
+def test_one_rank_of_each_replica_pulls_and_shares_within_the_replica(tmp_path):
+    """tp x dp = 2 x 2: the head of each replica alone fetches the replica's share from the
+    holders; its model-parallel partner gets the same trajectories from it, bit for bit, and
+    fetches nothing. The holders serve the batch once, not once per tensor-parallel rank."""
+    trajs = make_trajectories(vocab=50)
+    batch = [t.to_wire() for t in trajs]
+    (tmp_path / "batch").write_bytes(wire.pack(batch))
+    with holders(tmp_path / "batch", [(0, 6), (6, len(trajs))], tmp_path) as (_, refs):
+        (tmp_path / "refs").write_bytes(wire.pack(refs))
+        mp.spawn(_replica_rank_main, args=(str(tmp_path), free_port()), nprocs=4)
+    infos = [wire.unpack((tmp_path / f"replica_rank{r}.msgpack").read_bytes()) for r in range(4)]
+    assert [i["head"] for i in infos] == [True, False, True, False]
+    cfg = load_config(None, OVERRIDES)
+    seqlens = [t.n_prompt + t.n_output for t in trajs]
+    seed = _step_args(cfg, VERSION)["seed"]
+    for replica in (0, 1):
+        head, partner = infos[2 * replica], infos[2 * replica + 1]
+        share = batch_split(seqlens, 2, seed, DataParallel(replica, 2))[2]
+        assert sorted(head["whole"]) == sorted(partner["whole"]) == share
+        for i in share:  # the same fields, to the last bit
+            packed = wire.pack(batch[i])
+            assert wire.pack(head["whole"][i]) == wire.pack(partner["whole"][i]) == packed
+        assert head["bytes"] > 0 and partner["bytes"] == 0
+    assert infos[0]["received"]["data/pulled_bytes"] == infos[0]["bytes"] + infos[2]["bytes"]
+    assert infos[0]["bytes"] + infos[2]["bytes"] < 1.2 * len(wire.pack(batch))
+
+
 def test_a_killed_holder_fails_the_pull_after_one_retry_naming_it_and_its_log(tmp_path):
     trajs = make_trajectories(vocab=50, n=4)
     (tmp_path / "batch").write_bytes(wire.pack([t.to_wire() for t in trajs]))

@@ -60,11 +60,15 @@ def init_model_parallel(tp: int, pp: int) -> None:
 
 def data_parallel_group(world: DataParallel) -> DataParallel:
     """`world` (parallel.DataParallel) with its reductions over Megatron's data-parallel
-    group: the batch is still broadcast to every rank, gradients summed over replicas only."""
+    group: gradients summed over replicas only; a replica is Megatron's model-parallel group
+    (its head pulls the replica's share of a batch for all of it)."""
     from megatron.core import parallel_state as ps
 
     return world.replicas(
-        ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+        ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(),
+        ps.get_data_parallel_group(),
+        ps.get_model_parallel_group(),
     )
 
 
