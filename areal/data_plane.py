@@ -3,13 +3,14 @@
     rollout worker k: decodes, grades, TrajectoryStore.hold --> TrajectoryRefs (~150 B each)
     controller: staleness gate, buffer, dynamic sampling, stats on the refs
     controller --get_batch(i): refs--> trainer rank 0 --broadcast(refs)--> every rank
-    every rank: its share of the batch (step.batch_split, from the lengths alone)
+    each replica's head: its share of the batch (step.batch_split, from the lengths alone)
         --fetch(ids), one thread per holder, in parallel--> rollout worker k' --> tokens
+        --within the replica (its tp x pp ranks, Megatron)--> the replica's other ranks
     controller --release(ids)--> holders, at get_batch(i+1) (batch i is trained by then)
 
 No process relays tokens it does not train on: the controller never sees a trajectory's
 tokens (the single-turn episode's decode and grading run on the worker that generated it),
-rank 0 passes on metadata only, and each rank receives only its own share. A workflow that
+rank 0 passes on metadata only, and each replica receives only its own share, once. A workflow that
 builds trajectories on the controller (agents) makes the controller their holder.
 
 | waits for                     | unblocked by                                            |
