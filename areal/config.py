@@ -1080,8 +1080,9 @@ class ExperimentConfig(Section):
             )
         elif self.trainer.parallel.dp > 1:
             why = (
-                "trainer.parallel.dp > 1: the critic's gradients are not summed over replicas "
-                "yet; use trainer.parallel.dp=1"
+                "trainer.parallel.dp > 1: the critic's step sums its gradients and "
+                "statistics over replicas, but no run has checked it against one rank's yet; "
+                "use trainer.parallel.dp=1"
             )
         if why:
             raise ConfigError(
