@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModel
+from transformers.utils import logging as hf_logging
 
 from areal.checkpoint import load_rank_state, save_rank_state
 from areal.trainer.backend import DTYPES, warmup_lr
@@ -88,6 +89,7 @@ class TorchCritic:
     def from_dir(cls, model_dir: str | Path, **kwargs) -> TorchCritic:
         """A critic whose trunk is the transformer of the HF directory model_dir (a causal
         LM's: its LM head is left out)."""
+        hf_logging.disable_progress_bar()  # as the policy's backend: no bar per load
         return cls(AutoModel.from_pretrained(model_dir, dtype=torch.float32), **kwargs)
 
     def values(

@@ -297,6 +297,16 @@ def trajectories(model_dir):
     return trajs
 
 
+def test_the_critic_starts_from_the_policys_trunk_and_a_zero_head(model_dir) -> None:
+    critic = TorchCritic.from_dir(model_dir, **OPT)
+    policy = TorchBackend.from_dir(model_dir, **OPT).model.model  # the causal LM's trunk
+    trunk = dict(critic.model.trunk.named_parameters())
+    assert len(trunk) == len(list(policy.parameters())) > 0
+    for name, p in policy.named_parameters():
+        assert torch.equal(trunk[name], p), name
+    assert not critic.model.head.weight.any() and not critic.model.head.bias.any()
+
+
 def test_value_stream_of_a_packed_micro_batch_equals_each_sequence_alone(
     model_dir, trajectories
 ) -> None:
