@@ -480,6 +480,10 @@ RECIPES: dict[str, dict[str, Any]] = {
         sapo_tau_neg=1.05,
         loss_agg="seq_mean_token_mean",
     ),
+    # PPO with a critic (Schulman et al. 2017; GAE: Schulman et al. 2016), the RLHF values
+    # of InstructGPT (Ouyang et al. 2022), which OpenRLHF keeps as its defaults: gamma 1,
+    # lambda 0.95, advantages whitened over the batch's tokens; the critic: `critic:`.
+    "ppo": dict(adv_estimator="gae", gamma=1.0, lam=0.95),
     # The behaviour-weight corrections (w = pi_prox / pi_behav) on the AReaL objective:
     # TIS (Yao et al. 2025; slime --use-tis, verl rollout_is=token): w truncated at C = 2.
     "tis": dict(behav_imp_weight_mode="truncate", behav_imp_weight_cap=2.0),
@@ -524,14 +528,18 @@ _AREAL = dict(
 )
 """The areal recipe's knobs; those left out stay null (off: c_clip, m2po_tau, the behaviour
 weight's bounds, SAPO's temperatures; derived:
-eps_clip_higher = eps_clip, and adv_norm, adv_std_norm = batch, true for adv_estimator=norm)."""
+eps_clip_higher = eps_clip, and adv_norm, adv_std_norm = batch, true for adv_estimator=norm
+and gae; gamma, lam = 1, 0.95 for adv_estimator=gae)."""
 ADV_ESTIMATORS = (
-    "norm", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_seq", "reinforce_pp_baseline"
+    "norm", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_seq", "reinforce_pp_baseline",
+    "gae",
 )  # fmt: skip
-TOKEN_ESTIMATORS = ("reinforce_pp",)
+TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
 """Estimators whose advantage differs from token to token (areal/trainer/ppo.py
 token_advantages); the others give every token its sequence's."""
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+_NORMED = ("norm", "gae")
+"""Estimators whose advantages adv_norm and adv_std_norm normalise."""
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 """Estimators whose baseline is the prompt's group: they need rollout.group_size >= 2."""
 
@@ -545,7 +553,7 @@ class PPOConfig(Section):
     _section: ClassVar[str] = "ppo"
 
     recipe: str = "areal"
-    """Sets the knobs below to a paper's values (RECIPES in areal/config.py): areal, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, cispo, m2po, sapo, tis, mis, icepop, seq_mask_tis; a knob given explicitly wins."""  # noqa: E501
+    """Sets the knobs below to a paper's values (RECIPES in areal/config.py): areal, grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, cispo, m2po, sapo, ppo (with a critic), tis, mis, icepop, seq_mask_tis; a knob given explicitly wins."""  # noqa: E501
     use_decoupled_loss: bool = True
     """Decoupled objective (proximal policy apart from behaviour policy); false = naive PPO."""
     behav_imp_weight_mode: str | None = None
@@ -560,11 +568,15 @@ class PPOConfig(Section):
     """Sequential PPO updates per training batch."""
     # ---- advantages (per sequence; null = the recipe's value) ----
     adv_estimator: str | None = None
-    """norm (the paper: (r - mean) / std over adv_norm's set), grpo ((r - group mean) / group std), dr_grpo (r - group mean), rloo (r - mean of the group's others), reinforce_pp (the paper's: the return r - kl_coef * KL summed from each token on, whitened over every generated token of the batch), reinforce_pp_seq (one value per sequence, whitened over sequences), reinforce_pp_baseline (r - group mean, then batch-normalised)."""  # noqa: E501
+    """norm (the paper: (r - mean) / std over adv_norm's set), grpo ((r - group mean) / group std), dr_grpo (r - group mean), rloo (r - mean of the group's others), reinforce_pp (the paper's: the return r - kl_coef * KL summed from each token on, whitened over every generated token of the batch), reinforce_pp_seq (one value per sequence, whitened over sequences), reinforce_pp_baseline (r - group mean, then batch-normalised), gae (PPO with a critic: GAE over each sequence's generated tokens with the critic's values, the `critic:` section; the per-token reward is the outcome at the last token, less kl_coef * KL per token with kl_in=reward)."""  # noqa: E501
     adv_norm: str | None = None
-    """adv_estimator=norm only: batch, group or none (no centring, no scaling); null = batch."""
+    """adv_estimator=norm: batch, group or none (no centring, no scaling); gae: batch (whitened over every generated token of the batch) or none; null = batch."""  # noqa: E501
     adv_std_norm: bool | None = None
-    """adv_estimator=norm only: divide by the set's std; null = true."""
+    """adv_estimator=norm or gae: divide by the set's std; null = true."""
+    gamma: float | None = None
+    """adv_estimator=gae: the discount per generated token, in [0, 1]; null = 1 (the recipe's)."""
+    lam: float | None = None
+    """adv_estimator=gae: GAE's lambda, in [0, 1] (1: A = return - value; 0: the one-step TD error); null = 0.95."""  # noqa: E501
     reward_scale: float = 1.0
     """Rewards become (reward + reward_bias) * reward_scale before everything else."""
     reward_bias: float = 0.0
@@ -618,9 +630,12 @@ class PPOConfig(Section):
         for name, value in {**_AREAL, **RECIPES[self.recipe]}.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if self.adv_estimator == "norm":
+        if self.adv_estimator in _NORMED:
             self.adv_norm = "batch" if self.adv_norm is None else self.adv_norm
             self.adv_std_norm = True if self.adv_std_norm is None else self.adv_std_norm
+        if self.adv_estimator == "gae":
+            self.gamma = 1.0 if self.gamma is None else self.gamma
+            self.lam = 0.95 if self.lam is None else self.lam
         if self.eps_clip_higher is None:
             self.eps_clip_higher = self.eps_clip
         self._check_types()
@@ -648,12 +663,25 @@ class PPOConfig(Section):
         self._one_of("adv_estimator", ADV_ESTIMATORS)
         if self.adv_estimator == "norm":
             self._one_of("adv_norm", ("batch", "group", "none"))
+        elif self.adv_estimator == "gae":
+            self._one_of("adv_norm", ("batch", "none"))  # per token: no group to take
         elif self.adv_norm is not None or self.adv_std_norm is not None:
             name = "adv_norm" if self.adv_norm is not None else "adv_std_norm"
             self._fail(
                 name,
-                f"applies to adv_estimator=norm only; adv_estimator={self.adv_estimator} "
+                f"applies to adv_estimator=norm only (and to gae's whitening); adv_estimator="
+                f"{self.adv_estimator} "
                 "fixes its own normalisation (leave it out, or use adv_estimator=norm)",
+            )
+        if self.adv_estimator == "gae":
+            for name in ("gamma", "lam"):
+                if not 0 <= getattr(self, name) <= 1:
+                    self._fail(name, f"must be in [0, 1], got {getattr(self, name)!r}")
+        elif self.gamma is not None or self.lam is not None:
+            self._fail(
+                "gamma" if self.gamma is not None else "lam",
+                f"is GAE's (adv_estimator=gae, ppo.recipe=ppo); adv_estimator="
+                f"{self.adv_estimator} has no critic (leave it out, or use adv_estimator=gae)",
             )
         self._one_of("importance_sampling_level", ("token", "sequence", "sequence_token"))
         self._one_of("loss", ("ppo", "cispo", "sapo"))
@@ -735,6 +763,12 @@ class PPOConfig(Section):
                 f"[{self.adv_norm}{'' if self.adv_std_norm else ', no std'}]"
                 if self.adv_estimator == "norm"
                 else ""
+            )
+            + (
+                f"[gamma={self.gamma:g}, lam={self.lam:g}, {self.adv_norm}"
+                f"{'' if self.adv_std_norm else ', no std'}]"
+                if self.adv_estimator == "gae"
+                else ""
             ),
             f"agg={self.loss_agg}"
             + (f"/{self.loss_agg_norm_len}" if self.loss_agg == "seq_mean_token_sum_norm" else ""),
@@ -775,6 +809,46 @@ class RefModelConfig(Section):
 
     def __post_init__(self) -> None:
         self._check_types()
+
+
+@dataclass(kw_only=True)
+class CriticConfig(Section):
+    _section: ClassVar[str] = "critic"
+
+    path: str = ""
+    """HF model directory of the value model's trunk; empty = the policy's initial weights (model.path). A scalar value head (a new linear layer on the final hidden state, zero at start) sits on it. Used with ppo.adv_estimator=gae (ppo.recipe=ppo) only."""  # noqa: E501
+    lr: float | None = None
+    """The critic's Adam learning rate (constant after the trainer's warm-up); null = trainer.lr."""
+    weight_decay: float | None = None
+    """The critic's AdamW weight decay; null = trainer.weight_decay."""
+    betas: list[float] | None = None
+    """The critic's Adam betas; null = trainer.betas."""
+    adam_eps: float | None = None
+    """The critic's Adam epsilon; null = trainer.adam_eps."""
+    grad_clip: float | None = None
+    """The critic's gradient-norm clip; null = trainer.grad_clip."""
+    value_clip: float | None = 0.2
+    """PPO's value clip eps: the loss is 0.5 max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2) (OpenRLHF's 0.2); null = the plain 0.5 (V - R)^2."""  # noqa: E501
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        for name in ("lr", "adam_eps", "grad_clip", "value_clip"):
+            if getattr(self, name) is not None:
+                self._positive(name)
+        if self.weight_decay is not None:
+            self._non_negative("weight_decay")
+        if self.betas is not None and (
+            len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas)
+        ):
+            self._fail(
+                "betas", f"must be two numbers in [0, 1), got {self.betas!r}; e.g. [0.9, 0.95]"
+            )
+
+    def optimizer(self, trainer: "TrainerConfig") -> dict[str, Any]:
+        """The critic's optimizer settings, each null one taken from `trainer`."""
+        names = ("lr", "weight_decay", "betas", "adam_eps", "grad_clip")
+        return {n: getattr(trainer, n) if getattr(self, n) is None else getattr(self, n)
+                for n in names}  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -907,6 +981,8 @@ class ExperimentConfig(Section):
     """The objective: decoupled PPO and its knobs (ppo.recipe names a paper's)."""
     ref_model: RefModelConfig = field(default_factory=RefModelConfig)
     """The frozen reference policy of ppo.kl_coef."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model of ppo.adv_estimator=gae (ppo.recipe=ppo): its weights and optimizer."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     """Process launcher."""
     stats: StatsConfig = field(default_factory=StatsConfig)
@@ -954,6 +1030,7 @@ class ExperimentConfig(Section):
             )
 
         self._check_weights()
+        self._check_critic()
 
         from areal.rollout.backends import load_backend
 
@@ -978,6 +1055,34 @@ class ExperimentConfig(Section):
             raise ConfigError(
                 "weights.delta needs inference.backend=embedded (SGLang's servers take whole "
                 "tensors only); set weights.delta=false"
+            )
+
+    def _check_critic(self) -> None:
+        """The critic (ppo.adv_estimator=gae) is built for the torch backend, one replica."""
+        if self.ppo.adv_estimator != "gae":
+            return
+        why = None
+        if self.trainer.backend != "torch":
+            why = (
+                "trainer.backend=megatron: the critic is a torch model beside the policy (a "
+                "megatron critic would need its own parallel model, value head and checkpoint "
+                "layout); use trainer.backend=torch"
+            )
+        elif self.model.lora.enabled:
+            why = (
+                "model.lora: the critic is a full copy of the model trained in full, which is "
+                "what LoRA avoids; train the policy in full (model.lora.rank=0)"
+            )
+        elif self.trainer.parallel.dp > 1:
+            why = (
+                "trainer.parallel.dp > 1: the critic's step sums its gradients and "
+                "statistics over replicas, but no run has checked it against one rank's yet; "
+                "use trainer.parallel.dp=1"
+            )
+        if why:
+            raise ConfigError(
+                f"ppo.adv_estimator=gae (PPO with a critic) is not built with {why}, or an "
+                "estimator without a critic (ppo.recipe=areal, grpo, ...)"
             )
 
     def _check_objective(self) -> None:

@@ -67,6 +67,8 @@ KINDS = {
     "proximal": "proximal log-prob pass",
     "reference": "reference policy pass (KL)",
     "update": "PPO minibatch update",
+    "values": "critic's value pass (ppo.adv_estimator=gae)",
+    "critic_update": "critic's minibatch update (ppo.adv_estimator=gae)",
     "publish": "publishing weights",
     "checkpoint": "saving a checkpoint",
     "update_weights": "weight update fan-out",

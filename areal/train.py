@@ -211,6 +211,13 @@ def setup_lines(cfg: ExperimentConfig) -> list[str]:
     if cfg.ppo.kl_coef:
         ref = cfg.ref_model.path or "the policy's initial weights"
         lines.append(f"reference model on: {ref} (ppo.kl_coef={cfg.ppo.kl_coef:g})")
+    if cfg.ppo.adv_estimator == "gae":
+        critic, opt = cfg.critic, cfg.critic.optimizer(cfg.trainer)
+        clip = "off" if critic.value_clip is None else f"{critic.value_clip:g}"
+        lines.append(
+            f"critic on: {critic.path or 'the policy initial weights'} + a value head, "
+            f"lr {opt['lr']:g}, value clip {clip}"
+        )
     return lines
 
 

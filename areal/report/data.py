@@ -206,7 +206,15 @@ def waiting_share(lane: str, spans: list[Span]) -> float:
 
 WORK_KINDS = {
     "server": ("generate", "load"),
-    "trainer": ("proximal", "reference", "update", "publish", "checkpoint"),
+    "trainer": (
+        "proximal",
+        "reference",
+        "values",
+        "update",
+        "critic_update",
+        "publish",
+        "checkpoint",
+    ),
 }
 """The spans in which a lane computes; anything else (no span, waiting for a batch, paused or
 held by the staleness bound) is idle."""

@@ -33,6 +33,8 @@ COLORS = {
     "proximal": "#64b5f6",
     "reference": "#9575cd",
     "update": "#1e40af",
+    "values": "#4db6ac",
+    "critic_update": "#00695c",
     "publish": "#8e24aa",
     "checkpoint": "#6d4c41",
     "update_weights": "#00897b",

@@ -2,6 +2,7 @@
 
     make_backend(cfg, model_dir, dp)  -> TorchBackend (torch_backend.py) | MegatronBackend
     make_reference(cfg, dp)           -> the frozen reference policy of ppo.kl_coef
+    make_critic(cfg, dp)              -> the value model of ppo.adv_estimator=gae (critic.py)
 
 The seam (backend.py) imports no backend; this module imports the one asked for, lazily:
 the torch path never imports megatron.
@@ -18,6 +19,7 @@ from areal.trainer.parallel import DataParallel
 
 if TYPE_CHECKING:
     from areal.lora import LoRASpec
+    from areal.trainer.critic import TorchCritic
 
 
 def _backend_kwargs(cfg: ExperimentConfig) -> dict:
@@ -96,3 +98,21 @@ def make_reference(cfg: ExperimentConfig, dp: DataParallel) -> TrainerBackend:
     )
     ref.model.requires_grad_(False)
     return ref
+
+
+def make_critic(cfg: ExperimentConfig, dp: DataParallel) -> TorchCritic:
+    """The critic of ppo.adv_estimator=gae: a value model on critic.path (or the policy's
+    initial weights, also after a resume: the checkpoint then overwrites it), its optimizer
+    critic's settings, each null one the trainer's; the warm-up of the trainer's schedule.
+    ExperimentConfig refuses it with megatron, LoRA and data parallelism."""
+    from areal.trainer.critic import TorchCritic
+
+    device = str(dp.device) if dp.device.type == "cuda" else None
+    common = _backend_kwargs(cfg)
+    return TorchCritic.from_dir(
+        cfg.critic.path or cfg.model.path,
+        **cfg.critic.optimizer(cfg.trainer),
+        warmup_steps=common["warmup_steps"],
+        dtype=common["dtype"],
+        device=device,
+    )

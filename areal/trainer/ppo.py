@@ -56,7 +56,8 @@ so the summed gradient does not depend on how the minibatch was cut.
 KL estimators of log r = log pi_theta/pi_ref: k1 = log r, k2 = (log r)^2 / 2,
 k3 = 1/r - 1 + log r (Schulman's). Advantages are per sequence (gamma = lambda = 1, no
 critic), from rewards shaped first (`shape_rewards`): see `compute_advantages`; REINFORCE++'s
-are per token (`token_advantages`).
+are per token (`token_advantages`), and so are PPO's with a critic (`gae_advantages`: GAE
+with the critic's values; the critic's own loss is `value_loss`).
 """
 
 from __future__ import annotations
@@ -242,19 +243,164 @@ def token_advantages(
             assert kls is not None, "kl_in=reward needs the per-token KL"
             g = g - ppo.kl_coef * kl_to_go(kls[i], mask)
         returns.append(g)
+    return _whiten_tokens(returns, masks, True, True, ppo, truncated, total)
+
+
+def _whiten_tokens(
+    xs: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    centre: bool,
+    divide: bool,
+    ppo: PPOConfig,
+    truncated: torch.Tensor | None,
+    total: Callable[[list[float]], list[float]],
+) -> list[torch.Tensor]:
+    """Per-token values whitened over the generated tokens of every sequence (of all ranks:
+    `total` sums over them), float32 and 0 off them: x - mean if `centre`, then / (std +
+    ADV_EPS) if `divide`; truncated samples get 0 with mask_truncated."""
     on = [m.bool() for m in masks]
-    kept = [g[m] for g, m in zip(returns, on, strict=True)]  # the generated tokens' G
-    s, n = total([sum(float(g.sum()) for g in kept), float(sum(len(g) for g in kept))])
-    mean = s / max(n, 1.0)
-    (sq,) = total([sum(float(((g - mean) ** 2).sum()) for g in kept)])
-    std = (sq / max(n, 1.0)) ** 0.5
+    kept = [x[m] for x, m in zip(xs, on, strict=True)]  # the generated tokens' x
+    mean, std = 0.0, 1.0 - ADV_EPS
+    if centre:
+        s, n = total([sum(float(x.sum()) for x in kept), float(sum(len(x) for x in kept))])
+        mean = s / max(n, 1.0)
+        (sq,) = total([sum(float(((x - mean) ** 2).sum()) for x in kept)])
+        std = (sq / max(n, 1.0)) ** 0.5 if divide else std
     out = []
-    for i, g in enumerate(returns):
-        adv = (g - mean) / (std + ADV_EPS)
+    for i, x in enumerate(xs):
+        adv = (x - mean) / (std + ADV_EPS)
         if ppo.mask_truncated and truncated is not None and bool(truncated[i]):
             adv = torch.zeros_like(adv)
         out.append(torch.where(on[i], adv, 0.0).float())
     return out
+
+
+def token_rewards(
+    rewards: torch.Tensor,
+    masks: Sequence[torch.Tensor],
+    cfg: Any,
+    kls: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """GAE's per-token rewards (float64) of each sequence: its shaped reward r_i at its last
+    generated token, less kl_coef * KL_t at every generated token t with kl_in=reward."""
+    ppo = _ppo(cfg)
+    out = []
+    for i, mask in enumerate(masks):
+        on = mask.bool()
+        r = torch.zeros(mask.shape, dtype=torch.float64)
+        if on.any():
+            r[int(on.nonzero()[-1, 0])] = float(rewards[i])
+        if ppo.kl_coef > 0 and ppo.kl_in == "reward":
+            assert kls is not None, "kl_in=reward needs the per-token KL"
+            r = r - ppo.kl_coef * torch.where(on, kls[i].to(torch.float64), 0.0)
+        out.append(r)
+    return out
+
+
+def gae(
+    rewards: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    gamma: float,
+    lam: float,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Generalized advantage estimation (Schulman et al. 2016) over each sequence's generated
+    tokens (`masks`; other tokens, e.g. a tool's output, are the environment's and skipped:
+    the generated tokens are the consecutive steps). With t' the next generated token:
+
+        delta_t = r_t + gamma V_t' - V_t      (V after the last token = 0: the answer ends)
+        A_t     = delta_t + gamma lam A_t'    returns R_t = A_t + V_t
+
+    Returns (A, R) per sequence, float64, 0 off the generated tokens. The sequences run
+    side by side as rows of a [N, longest] matrix, one column per step back in time."""
+    on = [m.bool() for m in masks]
+    n_gen = [int(m.sum()) for m in on]
+    width = max(n_gen, default=0)
+    r = torch.zeros(len(on), width, dtype=torch.float64)
+    v = torch.zeros(len(on), width, dtype=torch.float64)
+    for i, m in enumerate(on):  # left-aligned: the padding comes after each sequence's end
+        r[i, : n_gen[i]] = rewards[i].to(torch.float64)[m]
+        v[i, : n_gen[i]] = values[i].to(torch.float64)[m]
+    live = torch.arange(width)[None, :] < torch.tensor(n_gen)[:, None]  # [N, width]
+    adv = torch.zeros_like(r)
+    next_v = torch.zeros(len(on), dtype=torch.float64)
+    next_a = torch.zeros(len(on), dtype=torch.float64)
+    for t in range(width - 1, -1, -1):
+        a = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_a
+        adv[:, t] = torch.where(live[:, t], a, 0.0)
+        next_a = adv[:, t]
+        next_v = torch.where(live[:, t], v[:, t], 0.0)
+    advs, rets = [], []
+    for i, m in enumerate(on):
+        a = torch.zeros(m.shape, dtype=torch.float64)
+        a[m] = adv[i, : n_gen[i]]
+        advs.append(a)
+        rets.append(torch.where(m, a + values[i].to(torch.float64), 0.0))
+    return advs, rets
+
+
+def gae_advantages(
+    rewards: torch.Tensor,
+    masks: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    cfg: Any,
+    *,
+    kls: Sequence[torch.Tensor] | None = None,
+    truncated: torch.Tensor | None = None,
+    sum_over_ranks: Callable[[list[float]], list[float]] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """PPO with a critic (adv_estimator=gae): per-token advantages (float32) and returns
+    (float64) of these sequences from their shaped rewards r, generated-token masks, the
+    critic's values (old: before this step's updates) and, with kl_in=reward, per-token KL
+    to the reference: token_rewards -> gae(gamma, lam) -> the advantages whitened over every
+    generated token of the batch as adv_norm and adv_std_norm say (batch: mean and
+    population std over all ranks' tokens, as token_advantages'; none: as they are). With
+    mask_truncated, truncated samples get A = 0 (their returns still train the critic)."""
+    ppo = _ppo(cfg)
+    total = sum_over_ranks or (lambda xs: xs)
+    per_token = token_rewards(rewards, masks, ppo, kls)
+    advs, returns = gae(per_token, values, masks, ppo.gamma, ppo.lam)
+    centre = ppo.adv_norm == "batch"
+    advs = _whiten_tokens(advs, masks, centre, centre and ppo.adv_std_norm, ppo, truncated, total)
+    return advs, returns
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    value_clip: float | None,
+    n_norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped value loss of one packed stream (as OpenRLHF's and verl's), token mean
+    over the generated tokens (`mask`) of the whole minibatch (n_norm of them; None = this
+    stream's):
+
+        0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2),  eps = value_clip
+
+    (value_clip None: 0.5 (V - R)^2). The clip keeps the critic near the values that made
+    the advantages, as the policy's clip keeps the policy near the proximal one."""
+    on = mask.bool()
+    zero = torch.zeros_like(values)
+    v = torch.where(on, values, zero)
+    old = torch.where(on, old_values.to(values.dtype), zero)
+    ret = torch.where(on, returns.to(values.dtype), zero)
+    per_token = (v - ret) ** 2
+    clipped = torch.zeros_like(on)
+    if value_clip is not None:
+        v_clipped = old + torch.clamp(v - old, -value_clip, value_clip)
+        per_token_clipped = (v_clipped - ret) ** 2
+        clipped = on & (per_token_clipped > per_token)
+        per_token = torch.maximum(per_token, per_token_clipped)
+    n = max(float(int(on.sum()) if n_norm is None else n_norm), 1.0)
+    loss = 0.5 * torch.where(on, per_token, zero).sum() / n
+    n_local = max(int(on.sum()), 1)
+    stats = {
+        "critic/clipfrac": float(clipped.sum()) / n_local,
+        "critic/n_tokens": float(on.sum()),
+    }
+    return loss, stats
 
 
 # ---------------------------------------------------------------- which tokens count

@@ -3,8 +3,10 @@
 batch of B*G trajectories
   1) proximal log-probs: one no-grad forward with the weights at the start of the step
      (without a mask that needs them first, the first minibatch's own forward gives its
-     share; with ppo.prox_approx none at all); the reference policy's, with ppo.kl_coef
-  2) rewards shaped, advantages (ppo.adv_estimator) over the whole batch
+     share; with ppo.prox_approx none at all); the reference policy's, with ppo.kl_coef;
+     with a critic (ppo.adv_estimator=gae) its values V_old: one no-grad forward
+  2) rewards shaped, advantages (ppo.adv_estimator) over the whole batch (gae: from V_old,
+     with the returns the critic learns)
   3) the valid tokens: generated, kept by the behaviour weight's mask (ppo.behav_imp_weight_*)
      and by M2PO's mask over the batch
   4) for each of ppo.n_minibatches minibatches, in order:
@@ -12,6 +14,8 @@ batch of B*G trajectories
        -> dynamic micro-batches, as many on every rank
        -> ppo.policy_loss / loss_agg's count of the whole minibatch on all ranks
        -> backward -> gradients summed over ranks -> clip -> one optimizer step
+       -> with a critic: the same micro-batches through it, the clipped value loss, its
+          own backward and optimizer step (one forward and backward more per minibatch)
 
 The backend (backend.TrainerBackend) runs the micro-batches: `forward` for the proximal
 log-probs, `forward_backward(micro_batches, loss_fn)` for the updates; a plain loop, or a
@@ -24,6 +28,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +39,9 @@ from areal.trainer.backend import TrainerBackend
 from areal.trainer.micro_batches import allocate_micro_batches
 from areal.trainer.parallel import DataParallel
 from areal.trajectory import Trajectory, TrajectoryRef
+
+if TYPE_CHECKING:  # transformers, which the critic imports, only where a critic is made
+    from areal.trainer.critic import TorchCritic
 
 
 def _token_tensors(trajs: Sequence[Trajectory]):
@@ -231,6 +239,111 @@ def _m2po_mask(tokens: dict[int, dict], mine: list[int], tau: float, dp: DataPar
     return n_masked
 
 
+@torch.no_grad()
+def _value_pass(
+    critic: TorchCritic,
+    seqs: dict[int, list[int]],
+    mine: list[int],
+    starts: list[int],
+    tokens: dict[int, dict],
+    max_tokens_per_mb: int,
+) -> None:
+    """The critic's values of this rank's sequences before any update (V_old: the values
+    GAE uses and the value clip is centred on) into tokens[i]["old_values"], 0 off the
+    generated tokens."""
+    mbs = _micro_batches(seqs, mine, max_tokens_per_mb, 1)
+    streams = critic.forward(_pick(seqs, mbs), _pick(starts, mbs))
+    for mb, stream in zip(mbs, streams, strict=True):
+        for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
+            tokens[i]["old_values"] = torch.where(tokens[i]["mask"].bool(), part, 0.0)
+
+
+def _gae_advantages(
+    trajs: Sequence[Trajectory | TrajectoryRef],
+    tokens: dict[int, dict],
+    mine: list[int],
+    truncated: torch.Tensor,
+    ppo: PPOConfig,
+    dp: DataParallel,
+    max_new_tokens: int | None,
+) -> dict[str, float]:
+    """objective.gae_advantages of this rank's sequences into tokens[i]["adv"] and
+    ["returns"]; returns the critic's statistics over the generated tokens of the whole
+    batch: the old values' and returns' means, and the share of the returns' variance the
+    old values explain (1 - Var(R - V) / Var(R); 1 is perfect, <= 0 no better than a mean)."""
+    lengths = torch.tensor([trajs[i].n_output for i in mine])
+    rewards = torch.tensor([trajs[i].reward for i in mine], dtype=torch.float64)
+    shaped = objective.shape_rewards(
+        rewards, lengths, truncated[mine], ppo, max_new_tokens=max_new_tokens
+    )
+    kls = None
+    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
+        kls = [
+            objective.kl_estimate(tokens[i]["behav"], tokens[i]["ref"], ppo.kl_estimator)
+            for i in mine
+        ]
+    masks = [tokens[i]["mask"] for i in mine]
+    values = [tokens[i]["old_values"] for i in mine]
+    advs, returns = objective.gae_advantages(
+        shaped, masks, values, ppo, kls=kls, truncated=truncated[mine],
+        sum_over_ranks=lambda xs: dp.all_reduce(xs, "sum"),
+    )  # fmt: skip
+    sums = [0.0] * 6  # n, sum V, sum R, sum R^2, sum (R - V), sum (R - V)^2
+    for i, adv, ret, mask, v in zip(mine, advs, returns, masks, values, strict=True):
+        tokens[i]["adv"], tokens[i]["returns"] = adv, ret.float()
+        on = mask.bool()
+        r, err = ret[on], (ret - v.double())[on]
+        for k, x in enumerate((len(r), v[on].sum(), r.sum(), (r**2).sum(), err.sum())):
+            sums[k] += float(x)
+        sums[5] += float((err**2).sum())
+    n, s_v, s_r, s_r2, s_e, s_e2 = dp.all_reduce(sums, "sum")
+    n = max(n, 1.0)
+    var_r = s_r2 / n - (s_r / n) ** 2
+    var_e = s_e2 / n - (s_e / n) ** 2
+    return {
+        "critic/values_mean": s_v / n,
+        "critic/returns_mean": s_r / n,
+        "critic/explained_var": 1.0 - var_e / var_r if var_r > 1e-12 else 0.0,
+    }
+
+
+def _critic_update(
+    critic: TorchCritic,
+    seqs: dict[int, list[int]],
+    mbs: list[list[int]],
+    starts: list[int],
+    tokens: dict[int, dict],
+    value_clip: float | None,
+    dp: DataParallel,
+) -> dict[str, float]:
+    """One update of the critic on one minibatch (this rank's micro-batches `mbs`): the
+    clipped value loss, token mean over the minibatch's generated tokens on all ranks
+    (whatever ppo.loss_agg: the critic regresses every token's return alike), backward,
+    gradients summed over ranks, its own clip and optimizer step. Returns the loss, the
+    token-weighted clip fraction's sum and token count, and the gradient norm."""
+    n_local = sum(int(tokens[i]["mask"].sum()) for mb in mbs for i in mb)
+    (n_norm,) = dp.all_reduce([n_local], "sum")
+
+    def loss_fn(k: int, values: torch.Tensor):
+        cat = {
+            key: torch.cat([tokens[i][key] for i in mbs[k]]).to(values.device)
+            for key in ("old_values", "returns", "mask")
+        }
+        loss, mb_stats = objective.value_loss(
+            values, cat["old_values"], cat["returns"], cat["mask"], value_clip, n_norm
+        )
+        return loss, {**mb_stats, "critic/value_loss": loss.item()}
+
+    out = {"critic/value_loss": 0.0, "critic/clipfrac": 0.0, "critic/n_tokens": 0.0}
+    for mb_stats in critic.forward_backward(_pick(seqs, mbs), loss_fn, _pick(starts, mbs)):
+        out["critic/value_loss"] += mb_stats["critic/value_loss"]
+        out["critic/clipfrac"] += mb_stats["critic/clipfrac"] * mb_stats["critic/n_tokens"]
+        out["critic/n_tokens"] += mb_stats["critic/n_tokens"]
+    critic.reduce_grads(dp)
+    out["critic/grad_norm"] = critic.optimizer_step()
+    return out
+
+
 def batch_split(
     seqlens: Sequence[int], n_minibatches: int, seed: int, dp: DataParallel
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -257,6 +370,8 @@ def train_step(
     version: int | None = None,
     ref: TrainerBackend | None = None,
     max_new_tokens: int | None = None,
+    critic: TorchCritic | None = None,
+    value_clip: float | None = None,
 ) -> dict[str, float]:
     """One PPO training step on the whole batch; with dp, on this rank's share of it.
 
@@ -265,9 +380,12 @@ def train_step(
     statistics are of the whole batch and the same on every rank. `version` (the trainer's,
     before this step) enables the check of fresh tokens' log-probs (train/fresh_*). `ref`:
     the frozen reference policy (ppo.kl_coef > 0); `max_new_tokens`:
-    rollout.max_new_tokens (ppo.overlong_penalty).
+    rollout.max_new_tokens (ppo.overlong_penalty); `critic`: the value model of
+    ppo.adv_estimator=gae, updated once per minibatch with critic.value_clip `value_clip`.
     """
     dp = dp or DataParallel()
+    if (ppo.adv_estimator == "gae") != (critic is not None):
+        raise ValueError("ppo.adv_estimator=gae and a critic go together: pass both or neither")
     if max_new_tokens is not None:  # ExperimentConfig has filled them already
         ppo = ppo.with_lengths(max_new_tokens)
     n_minibatches = ppo.n_minibatches
@@ -317,13 +435,19 @@ def train_step(
         t_ref = time.time() - t0
         for i, lp in zip(mine, ref_lps, strict=True):
             tokens[i]["ref"] = torch.where(tokens[i]["mask"].bool(), lp, tokens[i]["behav"])
+    if critic is not None:
+        with events.span("values", version=version):
+            _value_pass(critic, seqs, mine, starts, tokens, max_tokens_per_mb)
 
     # 2) rewards shaped, then advantages over the whole batch (the same on every rank)
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
     truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
     shaped = _shaped_rewards(trajs, rewards, truncated, tokens, mine, ppo, dp, max_new_tokens)
     group_ids = torch.tensor([t.group_id for t in trajs])
-    if ppo.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, over all ranks
+    critic_stats: dict[str, float] = {}
+    if ppo.adv_estimator == "gae":  # PPO with a critic: per token, from the old values
+        critic_stats = _gae_advantages(trajs, tokens, mine, truncated, ppo, dp, max_new_tokens)
+    elif ppo.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, over all ranks
         _token_advantages(trajs, tokens, mine, truncated, ppo, dp, max_new_tokens)
     else:
         advantages = objective.compute_advantages(shaped, group_ids, ppo, truncated=truncated)
@@ -357,6 +481,7 @@ def train_step(
         stats["train/prox_approx_gap_max"] = 0.0
         v_now = version if version is not None else max(max(t.version_max, 0) for t in trajs)
     grad_norms = []
+    critic_sums: dict[str, float] = {}
     spec = (max_tokens_per_mb, min_n_mbs)
     with_entropy = ppo.entropy_coef > 0
     for m, (minibatch, share) in enumerate(zip(minibatches, shares, strict=True)):
@@ -434,6 +559,13 @@ def train_step(
             "update", t_update, time.time(), version=version,
             tokens=sum(seqlens[i] for i in share), seqs=len(share), mbs=len(mbs),
         )  # fmt: skip
+        if critic is not None:
+            t_critic = time.time()
+            mb_critic = _critic_update(critic, seqs, mbs, starts, tokens, value_clip, dp)
+            mb_critic["critic/n_updates"] = 1.0
+            for k, v in mb_critic.items():
+                critic_sums[k] = critic_sums.get(k, 0.0) + v
+            events.record("critic_update", t_critic, time.time(), version=version)
 
     if ppo.m2po_tau is not None:
         stats["loss/n_m2po_masked_tokens"] = float(n_m2po)
@@ -454,4 +586,21 @@ def train_step(
     if ppo.kl_coef > 0:
         stats["time/reference_s"] = t_ref
     stats["train/n_tokens"] = float(sum(t.n_generated for t in trajs))
+    if critic is not None:
+        stats.update(critic_stats)
+        stats.update(_critic_summary(critic_sums, dp))
     return stats
+
+
+def _critic_summary(sums: dict[str, float], dp: DataParallel) -> dict:
+    """The critic's update statistics of the step: the value loss and gradient norm as means
+    over its updates (one per minibatch), the clip fraction over every generated token."""
+    n_updates = max(sums.pop("critic/n_updates", 0.0), 1.0)
+    grad_norm = sums.pop("critic/grad_norm", 0.0) / n_updates  # the same on every rank
+    total = dp.reduce_stats(sums)
+    n_tok = max(total.pop("critic/n_tokens", 0.0), 1.0)
+    return {
+        "critic/value_loss": total.get("critic/value_loss", 0.0) / n_updates,
+        "critic/clipfrac": total.get("critic/clipfrac", 0.0) / n_tok,
+        "critic/grad_norm": grad_norm,
+    }

@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,11 +47,14 @@ from areal.cores import role_cores
 from areal.data_plane import Puller
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.broadcast import WeightBroadcaster
-from areal.trainer.factory import make_backend, make_reference
+from areal.trainer.factory import make_backend, make_critic, make_reference
 from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import batch_split, train_step
 from areal.trajectory import Trajectory, TrajectoryRef, is_ref
 from areal.weights import publish
+
+if TYPE_CHECKING:
+    from areal.trainer.critic import TorchCritic
 
 log = logging.getLogger("areal.trainer")
 
@@ -68,23 +72,32 @@ def last_time(metrics_path: Path) -> float:
     return json.loads(lines[-1])["time"] if lines else 0.0
 
 
-def write_trainer_part(backend: TrainerBackend, directory: Path | None) -> None:
+def write_trainer_part(
+    backend: TrainerBackend, directory: Path | None, critic: TorchCritic | None = None
+) -> None:
     """The trainer's part of a checkpoint: the HF weights (model/), the optimizer file(s)
-    and trainer.json. Global rank 0 passes the directory being written; with a collective
-    backend every other rank calls it at the same step with None, contributing its weight
-    slices and optimizer file before global rank 0 returns (and commits)."""
+    and trainer.json, and the critic's weights and optimizer (critic.*) when it has one.
+    Global rank 0 passes the directory being written; with a collective backend every
+    other rank calls it at the same step with None, contributing its weight slices and
+    optimizer file before global rank 0 returns (and commits)."""
     assert directory is not None or backend.collective_save
     backend.save_hf(None if directory is None else directory / "model")
     backend.save_optimizer(directory)
     if directory is not None:
         save_trainer_state(directory, backend.state_dict())
+        if critic is not None:
+            critic.save(directory)
 
 
-def load_trainer_part(backend: TrainerBackend, directory: Path) -> None:
+def load_trainer_part(
+    backend: TrainerBackend, directory: Path, critic: TorchCritic | None = None
+) -> None:
     """Every rank: the state write_trainer_part saved (trainer.json before the optimizer
-    file(s): it says which layout they were written for)."""
+    file(s): it says which layout they were written for), the critic's too."""
     backend.load_state_dict(load_trainer_state(directory))
     backend.load_optimizer(directory)
+    if critic is not None:
+        critic.load(directory)
 
 
 def publish_weights(
@@ -117,13 +130,14 @@ def save_checkpoint(
     controller: SyncRpcClient | None,
     version: int,
     dp: DataParallel,
+    critic: TorchCritic | None = None,
 ) -> None:
     """Trainer and controller state of `version`, committed together by global rank 0; with
     a collective backend the other ranks write their parts first."""
     if dp.is_main:
 
         def write(directory: Path) -> None:
-            write_trainer_part(backend, directory)
+            write_trainer_part(backend, directory, critic)
             controller.call("save_state", path=str(directory / CONTROLLER_STATE))
 
         with events.span("checkpoint", version=version):
@@ -230,10 +244,12 @@ def train(
     backend, dp = make_backend(cfg, model_dir, dp)
     # The reference policy stays the initial weights, a resumed run's too.
     ref = make_reference(cfg, dp) if cfg.ppo.kl_coef > 0 else None
+    # PPO with a critic: the value model and its optimizer (a resume restores both below).
+    critic = make_critic(cfg, dp) if cfg.ppo.adv_estimator == "gae" else None
     cores.follow(backend.model)  # borrows idle servers' cores layer by layer
     version = 0  # completed trainer updates: the weights this rank holds
     if resume_from:
-        load_trainer_part(backend, resume_from.path)
+        load_trainer_part(backend, resume_from.path, critic)
         version = resume_from.version
     controller, metrics = None, None
     puller = Puller(key, cfg.exp_dir / "logs")
@@ -250,7 +266,9 @@ def train(
         cores.work()
         trajs, received = batch_trajectories(cfg, reply, version, dp, puller)
         t_batch = time.time()
-        stats = train_step(backend, trajs, dp=dp, ref=ref, **_step_args(cfg, version))
+        stats = train_step(
+            backend, trajs, dp=dp, ref=ref, critic=critic, **_step_args(cfg, version)
+        )
         stats.update(received)
         t_train = time.time() - t_batch
         stats["time/train_threads"] = cores.threads_mean()
@@ -264,7 +282,7 @@ def train(
             log.info("trained in %.2fs, published version %d", t_train, version)
             metrics.write(version, trajs, stale, stats, reply["stats"], t_batch, t_train)
         if save_due(cfg, version, t_saved, dp):
-            save_checkpoint(cfg, backend, controller, version, dp)
+            save_checkpoint(cfg, backend, controller, version, dp, critic)
             t_saved = time.time()
     dp.barrier()  # rank 0 may still be writing the last checkpoint
     puller.close()
@@ -332,4 +350,5 @@ def _step_args(cfg: ExperimentConfig, version: int) -> dict:
         min_n_mbs=cfg.trainer.mb_spec.min_n_mbs,
         seed=cfg.seed + version,  # the same shuffle on every rank
         version=version,
+        value_clip=cfg.critic.value_clip,
     )

@@ -50,3 +50,33 @@ def test_grpo_with_dynamic_sampling_entropy_and_approximate_proximal(tmp_path):
         assert all(len(set(g)) > 1 for g in groups)
     assert all(m["staleness/max"] <= 4 for m in metrics)  # the bound is unchanged
     assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_ppo_with_a_critic_runs_and_resumes(tmp_path):
+    """ppo.recipe=ppo through every process: the critic's statistics on every step, its
+    weights and optimizer in the checkpoint, and a resume that continues from them (the
+    restored critic's values are those it had learned, not a fresh head's zeros)."""
+    steps, more = 6, 2
+    common = ("trial_name=ppo", "ppo.recipe=ppo")
+    proc = run_train(tmp_path, f"total_train_steps={steps}", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("areal: objective"))
+    assert "recipe=ppo" in line and "adv=gae[gamma=1, lam=0.95, batch]" in line
+    assert any(x.startswith("areal: critic on: the policy") for x in proc.stdout.splitlines())
+    exp = tmp_path / "tiny/ppo"
+    metrics = read_metrics(exp)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    keys = ("values_mean", "returns_mean", "explained_var", "value_loss", "clipfrac")
+    for m in metrics:
+        assert all(abs(m[f"critic/{k}"]) < 100 for k in keys), m
+    assert metrics[0]["critic/values_mean"] == 0.0  # the zero head
+    assert metrics[-1]["critic/values_mean"] != 0.0
+    ckpt = exp / f"checkpoints/v{steps:06d}"
+    assert (ckpt / "critic.safetensors").exists() and (ckpt / "critic.json").exists()
+
+    proc = run_train(tmp_path, f"total_train_steps={steps + more}", "resume=true", *common)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(exp)
+    assert [m["step"] for m in metrics] == list(range(1, steps + more + 1))
+    assert metrics[steps]["critic/values_mean"] != 0.0  # the restored critic, not a new one
+    assert processes_mentioning(str(tmp_path)) == []

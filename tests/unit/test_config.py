@@ -98,7 +98,7 @@ def test_empty_file_and_empty_section_mean_defaults(tmp_path: Path) -> None:
     ("overrides", "expected"),
     [
         (["trainer.lrr=1"], ["unknown config key 'trainer.lrr'", "did you mean 'trainer.lr'?"]),
-        (["lr=1"], ["'lr'", "did you mean 'trainer.lr'?"]),
+        (["lr=1"], ["'lr'", "did you mean 'trainer.lr' or 'critic.lr'?"]),
         (["trainer.mb_spec.max_tokens=9"], ["'trainer.mb_spec.max_tokens_per_mb'"]),
         (["trainer.zzzzzz=1"], ["'trainer.zzzzzz'", "valid keys of 'trainer'", "batch_size"]),
         (["trainer.lr=fast"], ["trainer.lr expects a float, got 'fast' (str)"]),

@@ -17,6 +17,7 @@ import torch
 
 from areal.config import RECIPES, PPOConfig
 from areal.models.tiny import build_tiny_model
+from areal.trainer.critic import TorchCritic
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory
@@ -29,11 +30,15 @@ def model():
     return build_tiny_model(warmup_steps=0)[0]
 
 
-def make_backend(model, lr: float = 3e-3) -> TorchBackend:
-    return TorchBackend(
-        copy.deepcopy(model), lr=lr, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8,
-        grad_clip=1.0, warmup_steps=0, device="cpu",
+def make_backend_kwargs(lr: float = 3e-3) -> dict:
+    return dict(
+        lr=lr, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0,
+        warmup_steps=0, device="cpu",
     )  # fmt: skip
+
+
+def make_backend(model, lr: float = 3e-3) -> TorchBackend:
+    return TorchBackend(copy.deepcopy(model), **make_backend_kwargs(lr))
 
 
 @torch.no_grad()
@@ -69,6 +74,9 @@ def test_recipe_raises_the_reward(model, recipe) -> None:
     torch.manual_seed(0)
     backend = make_backend(model)
     ref = make_backend(model) if RECIPES[recipe].get("kl_coef") else None
+    critic = None
+    if RECIPES[recipe].get("adv_estimator") == "gae":  # PPO with a critic: a value head
+        critic = TorchCritic(copy.deepcopy(model.model), **make_backend_kwargs())
     ppo = PPOConfig(recipe=recipe, n_minibatches=2)
     gen = torch.Generator().manual_seed(1)
     vocab = backend.model.config.vocab_size
@@ -81,7 +89,7 @@ def test_recipe_raises_the_reward(model, recipe) -> None:
         behaviour.load_state_dict(backend.model.state_dict())
         stats = train_step(
             backend, trajs, ppo=ppo, max_tokens_per_mb=256, seed=step, version=step,
-            ref=ref, max_new_tokens=N_NEW,
+            ref=ref, max_new_tokens=N_NEW, critic=critic, value_clip=0.2,
         )  # fmt: skip
         assert all(v == v for v in stats.values()), stats  # no NaN
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
