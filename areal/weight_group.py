@@ -13,6 +13,22 @@ with an error, never hang; a failed group is closed and a new one formed.
 An update is SGLang's `/update_weights_from_distributed`: the names, dtypes and shapes of a
 bucket, then one broadcast per tensor in that order; the receiver allocates each tensor from
 its dtype and shape. dtypes are torch's names without the prefix ("bfloat16").
+
+A delta (weights.delta, load_format "delta") sends a tensor as what changed since the
+version every receiver holds, in three tensors named after it (or the tensor whole when
+that is smaller, or nothing when nothing changed). Entries compare by their bits.
+    name:gap8 | name:gap16 | name:bits   uint8: which entries changed (increasing positions)
+        gapW: a code of W bits (W/8 bytes, least significant first) per changed entry, its
+              distance from the previous one (the first: from -1), or 0 for a distance
+              >= 2**W, which then follows, after all codes, as int64 (8 bytes, little-endian)
+        bits: one bit per entry (ceil(numel / 8) bytes), entry i = bit i % 8 of byte i // 8
+    name:val   the new values of those entries, in order, in the tensor's dtype
+    name:sum   [1] int64: the checksum of the new tensor (checksum())
+The sender picks the smallest of the three per tensor: after one RL step at lr 1e-6 about 4%
+of bf16 entries change, nearly all within 255 of the previous one: gap8 takes 3 bytes an
+entry with its value (int32 positions took 6, a bitmap would take about 5 at that share);
+gap16 wins on sparser tensors, bits on denser ones. The receiver sets the entries in place
+between decode steps, checks the sum once, and undoes the bucket's deltas if one differs.
 """
 
 from __future__ import annotations
@@ -165,60 +181,204 @@ def spec(bucket: list[tuple[str, torch.Tensor]]) -> dict:
 # ---- deltas: a version as what changed since the one every receiver holds ------------------
 # (a bucket of them is sent with load_format "delta", sglang_api.DELTA: the embedded server's)
 
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+POSITIONS = {"gap8": 8, "gap16": 16, "bits": 0}
+"""A delta's ways of saying which entries changed (the part's name: its code width)."""
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as int64 words, zero-padded to a whole word: a view of t where its bytes
+    allow one (a copy otherwise: small or oddly placed tensors)."""
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    if b.numel() % 8 or b.storage_offset() % 8:
+        b = torch.cat([b, b.new_zeros(-b.numel() % 8)])
+    return b.view(torch.int64)
+
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
-    """An integer sum of a tensor's bits ([1] int64): the same on every device and thread
-    count, so that a receiver can check that a delta gave it the sender's tensor exactly."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.detach().contiguous().view(bits).sum(dtype=torch.int64).view(1)
+    """[1] int64: the sum of t's bytes as little-endian int64 words (zero-padded), modulo
+    2**64. Exact and the same on every device and thread count (an integer sum does not
+    depend on its order), so that a receiver can check that a delta gave it the sender's
+    tensor; one pass over memory (summing 2-byte ints into int64 ran ~50x slower)."""
+    return _words(t).sum().view(1)
+
+
+def _gap_codes(gaps: torch.Tensor, width: int) -> torch.Tensor:
+    """Gaps (>= 1) between increasing positions, from -1, as a gap8/gap16 part (module
+    docstring): a code per gap, 0 for a long one, then the long ones."""
+    limit = (1 << width) - 1
+    codes, tail = gaps, gaps[:0]
+    if int(gaps.max()) > limit:
+        long = gaps > limit
+        codes, tail = gaps.masked_fill(long, 0), gaps[long]
+    if width == 16:
+        codes = torch.stack([codes & 255, codes >> 8], 1)
+    return torch.cat([codes.view(-1).to(torch.uint8), tail.view(torch.uint8)])
+
+
+def _gap_positions(part: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """The count increasing positions a gap8/gap16 part gives; ValueError if malformed."""
+    limit, head = (1 << width) - 1, count * width // 8
+    if part.numel() < head or (part.numel() - head) % 8:
+        raise ValueError(f"{part.numel()} bytes do not hold {count} codes and long gaps")
+    steps = part[:head]
+    if width == 16:
+        pair = steps.view(-1, 2).to(torch.int64)
+        steps = pair[:, 0] | pair[:, 1] << 8
+    long = part[head:].clone().view(torch.int64)  # a copy: aligned for the view
+    holes = steps == 0
+    if int(holes.count_nonzero()) != long.numel() or (long.numel() and long.min() <= limit):
+        raise ValueError("the long gaps do not match the codes 0")
+    if long.numel():
+        steps = steps.to(torch.int64).masked_scatter_(holes, long)
+    return torch.cumsum(steps, 0, dtype=torch.int64) - 1
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """[8m] bool -> [m] uint8: entry i is bit i % 8 (least significant first) of byte i // 8."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
+    return (mask.view(-1, 8).to(torch.uint8) << shifts).sum(1, dtype=torch.uint8)
+
+
+def _unpack_bits(bits: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (bits.view(-1, 1) >> shifts & 1).view(-1).bool()
+
+
+_CHUNK = 1 << 20
+"""Entries compared at a time on CPU (2 MiB of a bf16 tensor): their values are gathered
+while still in cache (about twice as fast as whole tensors at a time, measured)."""
 
 
 def encode_delta(name: str, new: torch.Tensor, old: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """`new` as the entries that differ from `old` (what the receiver holds): name:idx (flat
-    positions), name:val (their values), name:sum (checksum of new); `new` whole when that
-    is smaller; nothing when nothing changed."""
-    changed = (new != old).view(-1).nonzero().view(-1)
-    if changed.numel() == 0:
+    """`new` as the entries that differ from `old` (what the receiver holds): name:gap8,
+    name:gap16 or name:bits (their positions, the smallest of the three), name:val (their
+    values, in order), name:sum (checksum of new); `new` whole when that is smaller; nothing
+    when nothing changed. Entries compare by their bits (-0.0 differs from 0.0)."""
+    n, size = new.numel(), new.element_size()
+    signed, whole, bitmap = _SIGNED[size], n * size, -(-n // 8)
+    flat = new.detach().contiguous().view(-1)
+    now, was = flat.view(signed), old.detach().contiguous().view(-1).view(signed)
+    chunk = _CHUNK if new.device.type == "cpu" else max(1, n)
+    # 1) The changed entries, a chunk at a time, as gaps from the previous one (>= 1).
+    gaps, values, nnz = [], [], 0
+    last = torch.full((1,), -1, dtype=torch.int64, device=new.device)
+    for start in range(0, n, chunk):
+        pos = (now[start : start + chunk] != was[start : start + chunk]).nonzero().view(-1)
+        if pos.numel() == 0:
+            continue
+        values.append(flat[start : start + chunk][pos])
+        pos += start
+        gaps.append(torch.diff(pos, prepend=last))
+        last, nnz = pos[-1:], nnz + pos.numel()
+        if nnz * size + 8 + min(nnz, bitmap) >= whole:  # no way of positions is smaller
+            return [(name, new)]
+    if not gaps:
         return []
-    idx = changed.to(torch.int32 if new.numel() < 2**31 else torch.int64)
-    delta_bytes = changed.numel() * (idx.element_size() + new.element_size()) + 8
-    if delta_bytes >= new.numel() * new.element_size():
+    gaps, values = torch.cat(gaps), torch.cat(values)  # gaps >= 1
+    # 2) The smallest way of positions: gap8 unless long gaps or a dense tensor.
+    sizes = {"gap8": nnz, "bits": bitmap}
+    if int(gaps.max()) > 255:  # long gaps take 8 bytes more each: 2-byte codes may be smaller
+        sizes["gap8"] += 8 * int((gaps > 255).count_nonzero())
+        sizes["gap16"] = 2 * nnz + 8 * int((gaps > 65535).count_nonzero())
+    kind = min(sizes, key=sizes.__getitem__)
+    if nnz * size + 8 + sizes[kind] >= whole:
         return [(name, new)]
+    if kind == "bits":
+        mask = torch.zeros(bitmap * 8, dtype=torch.bool, device=new.device)
+        mask[torch.cumsum(gaps, 0) - 1] = True
+        code = _pack_bits(mask)
+    else:
+        code = _gap_codes(gaps, POSITIONS[kind])
     return [
-        (f"{name}:idx", idx),
-        (f"{name}:val", new.reshape(-1)[changed]),
+        (f"{name}:{kind}", code),
+        (f"{name}:val", values),
         (f"{name}:sum", checksum(new)),
     ]
 
 
+@dataclass
+class Patch:
+    """A decoded delta of a tensor of `shape`: its entries at flat positions pos ([k] int64,
+    increasing) become val ([k], the tensor's dtype), and then its checksum is sum."""
+
+    pos: torch.Tensor
+    val: torch.Tensor
+    sum: torch.Tensor
+    shape: torch.Size
+
+
 def decode_delta(
     state: dict[str, torch.Tensor], received: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The whole tensors a bucket of deltas gives, applied to `state` (the receiver's
-    weights, unchanged); ValueError when a part is missing or a checksum differs (the
-    receiver did not hold the version the delta is from)."""
-    out: dict[str, torch.Tensor] = {}
+) -> dict[str, torch.Tensor | Patch]:
+    """A received bucket as what apply_bucket sets in `state` (the receiver's weights,
+    unchanged here): whole tensors as they came, a Patch per delta. ValueError when a
+    delta's parts are missing or do not fit state's tensor (apply_bucket checks the sum)."""
+    out: dict[str, torch.Tensor | Patch] = {}
+    deltas: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in received.items():
         name, sep, part = key.rpartition(":")
         if not sep:
             out[key] = t
-            continue
-        if part not in ("idx", "val", "sum"):
-            raise ValueError(f"{key}: a delta's parts are name:idx, name:val and name:sum")
-        if part != "idx":
-            continue
+        elif part in POSITIONS or part in ("val", "sum"):
+            deltas.setdefault(name, {})[part] = t
+        else:
+            raise ValueError(
+                f"{key}: a delta's parts are name:gap8, name:gap16 or name:bits, name:val and "
+                "name:sum"
+            )
+    for name, parts in deltas.items():
         if name not in state:
             raise ValueError(f"unexpected tensor {name} (not in the model's state_dict)")
-        try:
-            val, want = received[f"{name}:val"], received[f"{name}:sum"]
-        except KeyError as e:
-            raise ValueError(f"the delta of {name} lacks its part {e.args[0]}") from e
-        new = state[name].detach().clone()  # on the receiver's device; the parts may not be
-        new.view(-1)[t.to(new.device, torch.long)] = val.to(new.device, new.dtype)
-        if not torch.equal(checksum(new).cpu(), want.cpu()):
+        kinds = [p for p in parts if p in POSITIONS]
+        if len(kinds) != 1 or len(parts) != 3:
+            raise ValueError(
+                f"the delta of {name} came as parts {sorted(parts)}: it takes one of gap8, "
+                "gap16 or bits, and val and sum"
+            )
+        old = state[name]
+        code, val = parts[kinds[0]].to(old.device), parts["val"].to(old.device).view(-1)
+        if code.dtype != torch.uint8 or val.dtype != old.dtype:
+            raise ValueError(
+                f"the delta of {name} has positions of {code.dtype} (uint8 expected) and values "
+                f"of {val.dtype} (this server holds {old.dtype}): send it whole"
+            )
+        if kinds[0] == "bits":
+            if code.numel() != -(-old.numel() // 8):
+                raise ValueError(
+                    f"the bitmap of {name} has {code.numel()} bytes, not one per 8 entries"
+                )
+            pos = _unpack_bits(code).nonzero().view(-1)
+        else:
+            pos = _gap_positions(code, POSITIONS[kinds[0]], val.numel())
+        if pos.numel() != val.numel() or (pos.numel() and int(pos[-1]) >= old.numel()):
+            raise ValueError(
+                f"the delta of {name} gives {pos.numel()} positions (up to "
+                f"{int(pos[-1]) if pos.numel() else None}) for {val.numel()} values; the tensor "
+                f"has {old.numel()} entries"
+            )
+        out[name] = Patch(pos, val, parts["sum"].to(old.device).view(1), old.shape)
+    return out
+
+
+def apply_bucket(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor | Patch]) -> None:
+    """Set a decoded bucket in state's tensors, in place: deltas first, each checked by the
+    checksum of the result (one pass); where one differs every delta is undone and
+    ValueError raised, before any whole tensor is copied (cast to state's dtype)."""
+    undo = []
+    for name, p in tensors.items():
+        if not isinstance(p, Patch):
+            continue
+        flat = state[name].view(-1)
+        undo.append((flat, p.pos, flat[p.pos]))
+        flat.index_put_((p.pos,), p.val)
+        if not torch.equal(checksum(flat), p.sum):
+            for flat, pos, was in reversed(undo):  # reversed: tied names share one tensor
+                flat.index_put_((pos,), was)
             raise ValueError(
                 f"the delta of {name} does not give the sender's tensor (checksum): this "
                 "server did not hold the version the delta is from; send it whole"
             )
-        out[name] = new
-    return out
+    for name, t in tensors.items():
+        if not isinstance(t, Patch):
+            state[name].copy_(t)

@@ -16,7 +16,8 @@ ways, interleaved:
   update); per bucket of --bucket-mb, every server's /update_weights_from_distributed
   concurrently with the trainer's broadcast;
 - delta (weights.delta): the same, but only the entries that changed since the version the
-  servers hold (positions, values and a checksum per tensor; areal/weight_group.py).
+  servers hold (positions as gaps of a byte, values and a checksum per tensor;
+  areal/weight_group.py).
 Timed from "the trainer holds vN" to "every server answers a generate with vN" (one token,
 its weight_version checked). Also: the trainer's blocked time (disk: the write; broadcast:
 the sends; delta: encoding and sends) and the bytes moved (disk: written once + read by

@@ -73,7 +73,16 @@ from areal.rollout.kv_cache import KVCache
 from areal.rollout.sampling import sample
 from areal.rollout.sglang_api import DELTA
 from areal.rollout.weight_loading import base_copy, load_adapter_merged, load_checked
-from areal.weight_group import BACKENDS, Group, decode_delta, dtype_of, open_group, receive
+from areal.weight_group import (
+    BACKENDS,
+    Group,
+    Patch,
+    apply_bucket,
+    decode_delta,
+    dtype_of,
+    open_group,
+    receive,
+)
 
 __all__ = ["DecodeEngine", "GenerationResult", "SamplingParams", "length_buckets"]
 
@@ -333,6 +342,11 @@ class DecodeEngine:
         shapes its shapes; dtypes may differ (cast on copy). A bucket with a wrong name or
         shape is received whole, then refused; a failed receive (the peer died, the group's
         timeout) is refused too and leaves the group broken. A refusal changes nothing.
+
+        load_format DELTA: deltas against the weights held now (weight_group.encode_delta),
+        set entry by entry between decode steps and checked there by the checksum of the
+        result; one that differs undoes the bucket's deltas and is refused (requests aborted
+        by abort_all_requests stay aborted).
         """
         with self._groups_lock:
             entry = self._groups.get(group_name)
@@ -353,7 +367,7 @@ class DecodeEngine:
                 f"Failed to receive weights over group {group_name} (the group is now broken: "
                 f"destroy it and form a new one): {e}"
             )
-        if load_format == DELTA:  # what changed since the weights held now: whole tensors
+        if load_format == DELTA:  # what changed since the weights held now, checked
             try:
                 tensors = decode_delta(self.model.state_dict(), tensors)
             except ValueError as e:
@@ -361,10 +375,13 @@ class DecodeEngine:
         problems = _bucket_problems(self.model.state_dict(), tensors)
         if problems:
             return False, f"Failed to update weights over group {group_name}: {problems}"
+        try:
+            self._apply_weights(
+                tensors, weight_version, abort_all_requests, "update_weights_from_distributed"
+            )
+        except ValueError as e:  # a delta's checksum: the weights are as they were
+            return False, f"Failed to update weights over group {group_name}: {e}"
         self._lora_base = None  # whole tensors replace the base, as a directory's do
-        self._apply_weights(
-            tensors, weight_version, abort_all_requests, "update_weights_from_distributed"
-        )
         return True, _updated_message(weight_version)
 
     def init_weights_update_group(
@@ -439,16 +456,17 @@ class DecodeEngine:
 
     def _apply_weights(
         self,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor | Patch],
         weight_version: int | None,
         abort_all_requests: bool,
         source: str,
         model_path: str | None = None,
     ) -> int:
-        """Copy checked tensors into the live model between decode steps (cast to its dtype);
-        returns the number of requests kept by a pause. source names the update in the
-        message of the requests it aborts; model_path: what /get_model_info reports from now
-        on (None: unchanged)."""
+        """Copy checked tensors into the live model between decode steps (cast to its dtype;
+        deltas set entry by entry: ValueError when one's checksum differs, with nothing
+        changed but the aborts); returns the number of requests kept by a pause. source
+        names the update in the message of the requests it aborts; model_path: what
+        /get_model_info reports from now on (None: unchanged)."""
         with self._cv:
             # Admit nothing from here on: a request resubmitted the moment its abort
             # returns must wait for the new weights, or its tokens would carry the old ones.
@@ -459,10 +477,8 @@ class DecodeEngine:
             with self._cv:
                 while self._stepping or (self._pause_mode is None and self._running):
                     self._cv.wait()
-                state = self.model.state_dict()
                 with torch.no_grad():
-                    for name, tensor in tensors.items():
-                        state[name].copy_(tensor)
+                    apply_bucket(self.model.state_dict(), tensors)
                 if model_path is not None:
                     self._model_path = str(model_path)
                 self._kv_stale = True
@@ -716,7 +732,9 @@ def _updated_message(weight_version: int | None) -> str:
     return message
 
 
-def _bucket_problems(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> str:
+def _bucket_problems(
+    expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor | Patch]
+) -> str:
     """What is wrong with a bucket against the model's state_dict ("" when nothing): unknown
     names and wrong shapes. A bucket is part of a version, so nothing is missing."""
     problems = [

@@ -120,30 +120,130 @@ def test_buckets_keep_order_and_size_and_spec_describes_them():
         wg.receive(None, ["a"], [], [[1]])
 
 
-def test_a_delta_gives_the_new_tensor_bit_for_bit_and_only_from_the_old_one():
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _round_trip(new: torch.Tensor, old: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The delta of new against old, applied to a copy of old: it must give new bit for bit
+    (the receiver's checksum passes). Returns the parts."""
+    parts = wg.encode_delta("w", new, old)
+    state = {"w": old.clone()}
+    wg.apply_bucket(state, wg.decode_delta(state, dict(parts)))
+    assert torch.equal(_bits(state["w"]), _bits(new))
+    return dict(parts)
+
+
+def _nbytes(parts: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in parts.values())
+
+
+def _changed(old: torch.Tensor, positions) -> torch.Tensor:
+    new = old.clone()
+    new.view(-1)[torch.as_tensor(positions)] += 1.0
+    return new
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_sparse_delta_is_gaps_of_a_byte_and_round_trips_exactly(dtype):
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(64, 32, generator=g).to(dtype)
+    # 2% of the entries change, < 100 apart, the first and the last too
+    some = torch.arange(0, old.numel(), 50) + torch.randint(1, 50, (41,), generator=g)
+    new = _changed(old, [0, *some.clamp(max=old.numel() - 1).tolist(), old.numel() - 1])
+    parts = _round_trip(new, old)
+    nnz = int((new != old).sum())
+    assert list(parts) == ["w:gap8", "w:val", "w:sum"]
+    assert parts["w:gap8"].numel() == nnz  # one byte an entry: no gap longer than 255
+    assert _nbytes(parts) == nnz * (1 + new.element_size()) + 8
+    assert _nbytes(parts) < 0.1 * new.numel() * new.element_size()
+
+
+@pytest.mark.parametrize(
+    ("share", "kind"),
+    [(1e-4, "gap16"), (0.003, "gap16"), (0.04, "gap8"), (0.2, "bits"), (0.5, "bits")],
+)
+def test_random_deltas_of_any_share_round_trip_exactly(share, kind):
+    g = torch.Generator().manual_seed(2)
+    old = torch.randn(300_001, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    mask = torch.rand(old.numel(), generator=g) < share
+    new[mask] = torch.randn(int(mask.sum()), generator=g).to(torch.bfloat16)
+    parts = _round_trip(new, old)
+    assert list(parts) == [f"w:{kind}", "w:val", "w:sum"]  # the smallest for the share
+
+
+def test_long_gaps_follow_the_codes_and_the_smaller_width_is_chosen():
+    n = 2**24 + 2**17
+    old = torch.zeros(n, dtype=torch.bfloat16)
+    # Mostly short gaps with a few of > 255, > 65535 and > 2**24: gap8 with 3 long gaps.
+    short = [*range(0, 3000, 3), 3000 + 300, 3300 + 70_000, 73_300 + 2**24 + 7]
+    parts = _round_trip(_changed(old, short + [n - 1]), old)
+    assert "w:gap8" in parts and parts["w:gap8"].numel() == len(short) + 1 + 8 * 4
+    # Sparse: every gap > 255, so 2-byte codes are smaller; two of > 65535 (one > 2**24).
+    sparse = [0, *range(1000, 60_000, 1000), 59_000 + 70_000, 129_000 + 2**24 + 1, n - 1]
+    parts = _round_trip(_changed(old, sparse), old)
+    assert "w:gap16" in parts and parts["w:gap16"].numel() == 2 * len(sparse) + 8 * 2
+    parts = _round_trip(_changed(old, [0, n - 1]), old)  # only the first and the last
+    assert "w:gap8" in parts and parts["w:gap8"].numel() == 2 + 8
+
+
+def test_dense_deltas_are_bitmaps_or_whole_and_unchanged_tensors_are_nothing():
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(999, 37, generator=g)  # an odd numel: the last word is padded
+    third = _changed(old, torch.randperm(old.numel(), generator=g)[: old.numel() // 3])
+    parts = _round_trip(third, old)
+    assert list(parts) == ["w:bits", "w:val", "w:sum"]
+    assert parts["w:bits"].numel() == -(-old.numel() // 8)
+    everything = old + 1.0
+    assert wg.encode_delta("w", everything, old) == [("w", everything)]
+    half = old.to(torch.bfloat16)
+    assert wg.encode_delta("w", half + 1, half)[0][0] == "w"  # bf16: a bitmap is not smaller
+    for t in (old, torch.zeros(0), torch.tensor(1.5), torch.ones(1, dtype=torch.bfloat16)):
+        assert wg.encode_delta("w", t.clone(), t) == []  # unchanged (and empty): nothing
+    # 0-d and 1-element tensors go whole; entries compare by bits: -0.0 is a change.
+    assert wg.encode_delta("w", torch.tensor(2.5), torch.tensor(1.5)) == [("w", torch.tensor(2.5))]
+    zero = torch.zeros(1000)
+    negative = zero.clone()
+    negative[[3, 200]] = -0.0
+    assert "w:gap8" in _round_trip(negative, zero)
+
+
+def test_a_delta_from_another_base_is_refused_and_undone():
     g = torch.Generator().manual_seed(0)
     old = torch.randn(64, 32, generator=g).to(torch.bfloat16)
-    new = old.clone()
-    new.view(-1)[::50] += 1.0  # 2% of the entries change
-    parts = wg.encode_delta("w", new, old)
-    assert [n for n, _ in parts] == ["w:idx", "w:val", "w:sum"]
-    assert sum(t.numel() * t.element_size() for _, t in parts) < 0.1 * new.numel() * 2
-    got = wg.decode_delta({"w": old, "b": old}, dict(parts))
-    assert torch.equal(got["w"], new)
-    # From weights other than the old ones the checksum refuses it.
+    new = _changed(old, [5, 70, 150])
+    parts = dict(wg.encode_delta("a", new, old) + wg.encode_delta("w", new, old))
+    other = old.clone()
+    other.view(-1)[9] += 1.0  # an entry the delta does not touch
+    state = {"a": old.clone(), "w": other.clone()}
+    decoded = wg.decode_delta(state, parts)
+    assert isinstance(decoded["w"], wg.Patch)
     with pytest.raises(ValueError, match="did not hold the version the delta is from"):
-        wg.decode_delta({"w": old + 1}, dict(parts))
-    with pytest.raises(ValueError, match="lacks its part w:sum"):
-        wg.decode_delta({"w": old}, dict(parts[:2]))
-    # Where most entries change, the tensor goes whole; whole tensors pass through.
-    dense = old + 1
-    assert wg.encode_delta("w", dense, old) == [("w", dense)]
-    assert wg.decode_delta({"w": old}, {"w": dense})["w"] is dense
-    assert wg.encode_delta("w", old.clone(), old) == []  # unchanged: nothing to send
+        wg.apply_bucket(state, decoded)
+    assert torch.equal(state["a"], old) and torch.equal(state["w"], other)  # both undone
+    with pytest.raises(ValueError, match="came as parts"):
+        wg.decode_delta(state, {k: v for k, v in parts.items() if k != "w:sum"})
+    with pytest.raises(ValueError, match="send it whole"):
+        wg.decode_delta({"w": old.float(), "a": old}, parts)
+    with pytest.raises(ValueError, match="positions"):
+        wg.decode_delta({"w": old.view(-1)[:100], "a": old}, parts)
+    with pytest.raises(ValueError, match="not in the model"):
+        wg.decode_delta({"a": old}, parts)
+    # Whole tensors pass through and are copied after the deltas.
+    state = {"a": old.clone(), "w": old.clone()}
+    wg.apply_bucket(
+        state,
+        wg.decode_delta(
+            state,
+            {"w": new, "a:gap8": parts["a:gap8"], "a:val": parts["a:val"], "a:sum": parts["a:sum"]},
+        ),
+    )
+    assert torch.equal(state["a"], new) and torch.equal(state["w"], new)
 
 
 def test_buckets_keep_the_parts_of_a_delta_together():
-    parts = [("a:idx", torch.zeros(30)), ("a:val", torch.zeros(30)), ("a:sum", torch.zeros(1))]
+    parts = [("a:gap8", torch.zeros(30)), ("a:val", torch.zeros(30)), ("a:sum", torch.zeros(1))]
     named = [("x", torch.zeros(10)), *parts, ("y", torch.zeros(10))]
     got = [[n for n, _ in b] for b in wg.buckets(named, 100)]
-    assert got == [["x"], ["a:idx", "a:val", "a:sum"], ["y"]]
+    assert got == [["x"], ["a:gap8", "a:val", "a:sum"], ["y"]]
