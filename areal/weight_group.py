@@ -153,7 +153,7 @@ def buckets(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive runs of tensors of about bucket_bytes each (a larger tensor alone); the
-    parts of one delta (name:idx, name:val, name:sum) stay in one bucket."""
+    parts of one delta (name:gap8|gap16|bits, name:val, name:sum) stay in one bucket."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size, last = 0, None
     for name, t in named:
