@@ -192,6 +192,30 @@ def _shaped_rewards(
     return shaped
 
 
+def _per_token_inputs(
+    trajs: Sequence[Trajectory | TrajectoryRef],
+    tokens: dict[int, dict],
+    mine: list[int],
+    truncated: torch.Tensor,
+    ppo: PPOConfig,
+    max_new_tokens: int | None,
+) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """What the per-token estimators (REINFORCE++, GAE) start from, for this rank's
+    sequences: the shaped rewards, and each sequence's per-token KL when it is paid in the
+    reward (kl_in=reward; else None)."""
+    lengths = torch.tensor([trajs[i].n_output for i in mine])
+    rewards = torch.tensor([trajs[i].reward for i in mine], dtype=torch.float64)
+    shaped = objective.shape_rewards(
+        rewards, lengths, truncated[mine], ppo, max_new_tokens=max_new_tokens
+    )
+    if not (ppo.kl_coef > 0 and ppo.kl_in == "reward"):
+        return shaped, None
+    kls = [
+        objective.kl_estimate(tokens[i]["behav"], tokens[i]["ref"], ppo.kl_estimator) for i in mine
+    ]
+    return shaped, kls
+
+
 def _token_advantages(
     trajs: Sequence[Trajectory | TrajectoryRef],
     tokens: dict[int, dict],
@@ -204,17 +228,7 @@ def _token_advantages(
     """objective.token_advantages of this rank's sequences into tokens[i]["adv"]: the
     shaped reward less the KL's return-to-go (kl_in=reward), whitened over the generated
     tokens of every rank."""
-    lengths = torch.tensor([trajs[i].n_output for i in mine])
-    rewards = torch.tensor([trajs[i].reward for i in mine], dtype=torch.float64)
-    shaped = objective.shape_rewards(
-        rewards, lengths, truncated[mine], ppo, max_new_tokens=max_new_tokens
-    )
-    kls = None
-    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
-        kls = [
-            objective.kl_estimate(tokens[i]["behav"], tokens[i]["ref"], ppo.kl_estimator)
-            for i in mine
-        ]
+    shaped, kls = _per_token_inputs(trajs, tokens, mine, truncated, ppo, max_new_tokens)
     advs = objective.token_advantages(
         shaped, [tokens[i]["mask"] for i in mine], ppo, kls=kls, truncated=truncated[mine],
         sum_over_ranks=lambda xs: dp.all_reduce(xs, "sum"),
@@ -271,17 +285,7 @@ def _gae_advantages(
     ["returns"]; returns the critic's statistics over the generated tokens of the whole
     batch: the old values' and returns' means, and the share of the returns' variance the
     old values explain (1 - Var(R - V) / Var(R); 1 is perfect, <= 0 no better than a mean)."""
-    lengths = torch.tensor([trajs[i].n_output for i in mine])
-    rewards = torch.tensor([trajs[i].reward for i in mine], dtype=torch.float64)
-    shaped = objective.shape_rewards(
-        rewards, lengths, truncated[mine], ppo, max_new_tokens=max_new_tokens
-    )
-    kls = None
-    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
-        kls = [
-            objective.kl_estimate(tokens[i]["behav"], tokens[i]["ref"], ppo.kl_estimator)
-            for i in mine
-        ]
+    shaped, kls = _per_token_inputs(trajs, tokens, mine, truncated, ppo, max_new_tokens)
     masks = [tokens[i]["mask"] for i in mine]
     values = [tokens[i]["old_values"] for i in mine]
     advs, returns = objective.gae_advantages(
