@@ -12,7 +12,14 @@
    256, intermediate 1024, 4 layers, 8/4 heads, 128 new tokens), the issue's geometry; and
    1.5b (DeepSeek-R1-Distill-Qwen-1.5B's, benchmarks/shapes.py, 256 new tokens) for a GPU.
    On a GPU both run there in bf16 (--dtype), else on the CPU in fp32.
-2) Context: the cost of one decode step (KV-cached forward + sampling) with every row at
+2) Prompt length: the cost of generating the shape's new tokens for --context-batch rows after
+   a 16-token against a 1,024-token prompt (--prompt-shapes), the engine against `generate`,
+   with every row's prompt its own ("distinct") and with the rows one GRPO group of one
+   prompt ("group"). The engine computes a prompt shared by rows once (SGLang's radix cache
+   does the same; `generate` prefills every row); distinct 1,024-token prompts cost what
+   their prefill's arithmetic does (causal attention over 1,024 tokens, torch's CPU flash
+   kernel, as `generate`'s forward).
+3) Context: the cost of one decode step (KV-cached forward + sampling) with every row at
    context 16 against context 2,048, at --batch rows and at --context-batch rows (8), for
    the shapes above and Qwen2.5-0.5B's (--context-shapes). At 2,048 a step reads the whole
    cache, K and V of every layer: for the 4m shape 4 KB a token (67 MB at 8 rows, 537 MB
@@ -39,6 +46,9 @@ from areal.rollout.sampling import sample
 
 SHAPES = {
     "145k": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2), 32),
+    # areal.models.tiny's model (configs/tiny.yaml), the vocabulary aside.
+    "tiny": (dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2), 32),
     "4m": (dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=4), 128),
@@ -81,6 +91,28 @@ def engine_generate(engine: DecodeEngine, batch: int, new: int, tag: str) -> flo
     return batch * new / (time.perf_counter() - start)
 
 
+def prompt_cost(
+    model, engine: DecodeEngine, rows: int, prompt: int, new: int, group: bool, tag: str
+) -> tuple[float, float]:
+    """Seconds of `generate` and of the engine for rows x new tokens after `prompt`-token
+    prompts: one prompt for every row (group) or each row its own."""
+    prompts = [[3 + (7 * j + (0 if group else r)) % 900 for j in range(prompt)]
+               for r in range(rows)]  # fmt: skip
+    ids = torch.tensor(prompts, device=model.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+            max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+        )  # fmt: skip
+    hf = time.perf_counter() - start
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=1.0)
+    start = time.perf_counter()
+    futures = [engine.submit(f"{tag}-{r}", p, params) for r, p in enumerate(prompts)]
+    assert all(len(f.result(timeout=600).output_ids) == new for f in futures)
+    return hf, time.perf_counter() - start
+
+
 def decode_step_ms(model, rows: int, context: int, steps: int = 10) -> float:
     """Median ms of one cached decode forward + sampling with every row at `context`. The
     rows are filled by length alone: a step's cost does not depend on the cached values,
@@ -107,6 +139,7 @@ def decode_step_ms(model, rows: int, context: int, steps: int = 10) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="145k,4m")
+    parser.add_argument("--prompt-shapes", default="tiny")
     parser.add_argument("--context-shapes", default="145k,4m,0.5b")
     parser.add_argument("--batch", default="64", help="rows; a comma list runs each")
     parser.add_argument("--context-batch", type=int, default=8)
@@ -139,8 +172,41 @@ def main() -> None:
                 h, o = statistics.median(hf), statistics.median(ours)
                 print(f"{shape:>6} {batch:>5} {new:>5} {h:>15.0f} {o:>13.0f} {o / h:>6.2f}x")
         del model
-    if not args.context_shapes:
-        return
+    if args.prompt_shapes:
+        prompt_table(args)
+    if args.context_shapes:
+        context_table(args, batches)
+
+
+def prompt_table(args: argparse.Namespace) -> None:
+    rows = args.context_batch
+    print()
+    print(f"{'shape':>6} {'rows':>5} {'new':>5} {'prompts':>8} {'generate @1024/@16':>19} "
+          f"{'engine @1024/@16':>17} {'engine/generate @1024':>22}")  # fmt: skip
+    for shape in args.prompt_shapes.split(","):
+        model, new = make_model(shape), SHAPES[shape][1]
+        with tempfile.TemporaryDirectory() as d:
+            model.save_pretrained(d)
+            engine = DecodeEngine.from_dir(d, max_batch_size=rows, num_threads=args.threads)
+            engine_generate(engine, rows, 4, "warm")
+            for group in (False, True):
+                times: dict[int, list[tuple[float, float]]] = {16: [], 1024: []}
+                for r in range(args.repeats):
+                    for prompt in times:  # interleaved
+                        times[prompt].append(
+                            prompt_cost(model, engine, rows, prompt, new, group, f"{prompt}-{r}")
+                        )
+                (h16, e16), (h1k, e1k) = (
+                    tuple(statistics.median(t[i] for t in times[p]) for i in (0, 1))
+                    for p in (16, 1024)
+                )
+                kind = "group" if group else "distinct"
+                print(f"{shape:>6} {rows:>5} {new:>5} {kind:>8} {h1k / h16:>18.2f}x "
+                      f"{e1k / e16:>16.2f}x {h1k / e1k:>21.2f}x")  # fmt: skip
+            engine.shutdown()
+
+
+def context_table(args: argparse.Namespace, batches: list[int]) -> None:
     print()
     print(f"{'shape':>6} {'rows':>5} {'step ms @16':>12} {'step ms @2048':>14} {'ratio':>7}")
     for shape in args.context_shapes.split(","):

@@ -119,6 +119,21 @@ class Result:
     over 1, the controller sets the pace and throughput is cut to what it sustains."""
 
 
+def _prefill_work(srv: _Server) -> tuple[int, int]:
+    """Tokens and rows the next step's prefill computes, by DecodeEngine._prefill's rule: a
+    request without output yet shares its prompt with a group member prefilled alongside or
+    already cached; one resumed with output has a prefix of its own."""
+    held = {r.group for r in srv.running if r.cached}
+    tokens = rows = 0
+    for req in srv.prefill:
+        if req.g == 0:
+            if req.group in held:
+                continue
+            held.add(req.group)
+        tokens, rows = tokens + req.prompt + req.g - 1, rows + 1
+    return tokens, rows
+
+
 # ---- the simulated parts ----------------------------------------------------------------------
 
 
@@ -468,13 +483,13 @@ class Simulation:
             return
         self._set_working(srv, True)
         rows = len(srv.running)
-        pf_tokens = sum(r.prompt + r.g - 1 for r in srv.prefill)
+        pf_tokens, pf_rows = _prefill_work(srv)
         rate = self._rate(srv, d.speedup)
         srv.seg = _Segment(
             t0=self.now,
             rows=rows,
             cells=self._place(srv),
-            prefill_s=(d.prefill_token_s * pf_tokens + d.prefill_row_s * len(srv.prefill)) / rate,
+            prefill_s=(d.prefill_token_s * pf_tokens + d.prefill_row_s * pf_rows) / rate,
             per_step_s=(d.step_s + d.row_s * rows) / rate,
             cell_s=d.cell_s / rate,
             rate=rate,

@@ -552,17 +552,16 @@ class DecodeEngine:
             self.cores.work()  # may wait briefly for a peer to hand back this server's cores
             t_step = time.time()
             batch = self._place(batch, stale)
-            fresh = [r for r in batch if not r.cached]  # prefilled by this step
             tokens: list[int] = []
             logprobs: list[float] = []
+            prefilled = prefill_rows = 0
             error: Exception | None = None
             try:
-                tokens, logprobs = self._step(batch)
+                tokens, logprobs, prefilled, prefill_rows = self._step(batch)
             except Exception as e:  # a bad step must fail its requests, not kill the server
                 logger.exception("decode step failed")
                 error = e
             finished: list[Request] = []
-            prefilled = sum(len(r.prompt_ids) + len(r.output_ids) - 1 for r in fresh)
             cells = sum(self._kv.lens)  # the context each row attended to (C-level sum)
             self._meter.step(
                 t_step,
@@ -571,7 +570,7 @@ class DecodeEngine:
                 cells,
                 self._kv.read,
                 prefilled,
-                len(fresh),
+                prefill_rows,
                 self.cores.threads,
             )
             with self._cv:
@@ -635,19 +634,43 @@ class DecodeEngine:
         self._kv.ensure(len(self._rows), max(r.max_len for r in self._rows))
         return self._rows
 
-    def _step(self, batch: list[Request]) -> tuple[list[int], list[float]]:
-        """1) prefill the requests not cached 2) one decode forward over all 3) sample."""
+    def _step(self, batch: list[Request]) -> tuple[list[int], list[float], int, int]:
+        """1) prefill the requests not cached 2) one decode forward over all 3) sample.
+        Returns the tokens, their log-probs, and the tokens and rows the prefill computed."""
         todo = [r for r in batch if not r.cached]
+        cached = [r for r in batch if r.cached]
         for req in todo:  # a one-token prompt has nothing to prefill
             self._kv.reset(req.row)
             req.cached = True
         todo = [r for r in todo if len(r.prompt_ids) + len(r.output_ids) > 1]
-        prefixes = [(r.prompt_ids + r.output_ids)[:-1] for r in todo]
-        for bucket in length_buckets([len(p) for p in prefixes]):
-            self._kv.prefill([todo[i].row for i in bucket], [prefixes[i] for i in bucket])
+        computed, rows = self._prefill(todo, cached)
         last = [(r.output_ids or r.prompt_ids)[-1] for r in batch]
         logits = self._kv.decode(last)  # [B, V]
-        return sample(logits.float(), batch, self._generator)
+        return (*sample(logits.float(), batch, self._generator), computed, rows)
+
+    def _prefill(self, todo: list[Request], cached: list[Request]) -> tuple[int, int]:
+        """Cache every token but the last of each todo request, computing each distinct
+        prefix once: a GRPO group's answers (one prompt, submitted together) and a request
+        whose prompt a cached row already holds copy its keys and values instead, as SGLang's
+        radix cache shares a prompt. Returns the tokens and rows computed."""
+        held = {tuple(r.prompt_ids[:-1]): r.row for r in cached} if todo and cached else {}
+        first: dict[tuple[int, ...], int] = {}  # prefix -> the row computing it
+        compute: list[tuple[int, list[int]]] = []  # (row, prefix)
+        shares: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+        for req in todo:
+            prefix = (req.prompt_ids + req.output_ids)[:-1]
+            key = tuple(prefix)
+            src = first.get(key, held.get(key) if not req.output_ids else None)
+            if src is None:
+                first[key] = req.row
+                compute.append((req.row, prefix))
+            else:
+                shares[src, len(prefix)].append(req.row)
+        for bucket in length_buckets([len(p) for _, p in compute]):
+            self._kv.prefill([compute[i][0] for i in bucket], [compute[i][1] for i in bucket])
+        for (src, length), dsts in shares.items():
+            self._kv.share(src, dsts, length)
+        return sum(len(p) for _, p in compute), len(compute)
 
     def _append_locked(self, req: Request, token: int, lp: float, out: list[Request]) -> None:
         req.output_ids.append(token)

@@ -5,6 +5,7 @@
    prefill(row, tokens)   tokens -> K/V written at [0, len) of that row (causal SDPA)
    decode(tokens)         one token per row at position len(row): K/V appended, logits out
    move(srcs, dsts)       compaction when requests leave, so rows stay 0..n-1
+   share(src, dsts, n)    rows dsts take row src's first n cached tokens (a shared prompt)
 ```
 
 The layers are the model's own modules (projections, norms, rotary embedding, MLP), called
@@ -112,6 +113,18 @@ class KVCache:
 
     def reset(self, row: int) -> None:
         self.lens[row] = 0
+
+    @torch.no_grad()
+    def share(self, src: int, dsts: list[int], length: int) -> None:
+        """Rows dsts take the first `length` cached tokens of row src: one index copy per
+        cache tensor in place of a prefill (the answers of one prompt share its keys and
+        values). No dst may be src."""
+        assert src not in dsts and length <= self.lens[src], (src, dsts, length)
+        dst = torch.tensor(dsts, device=self.device)
+        for cache in (*self._k, *self._v):
+            cache[dst, :, :length] = cache[src, :, :length]
+        for d in dsts:
+            self.lens[d] = length
 
     @torch.no_grad()
     def _alloc(self, rows: int, capacity: int) -> None:

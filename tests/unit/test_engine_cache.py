@@ -138,6 +138,22 @@ def test_joins_and_leaves_keep_every_logprob_exact(engine, models):
         _check(models["a"], prompt, res.output_ids, res.logprobs)
 
 
+def test_one_prompt_is_prefilled_once_for_its_group_and_for_later_requests(engine, models):
+    """A GRPO group (one prompt, its answers submitted together) computes the prompt's keys
+    and values once; a request that joins later with a prompt a running row holds copies
+    them too; a prompt that differs is computed. Every log-prob stays exact."""
+    prompt, other = _prompts(8, seed=5)[5], _prompts(8, seed=6)[3]  # 64 and 40 tokens
+    prefilled = engine.stats()["total_prefilled_tokens"]
+    group = [engine.submit(f"g{i}", prompt, _params(40)) for i in range(4)]
+    _wait_tokens(engine, 12)
+    late = engine.submit("late", prompt, _params(20))
+    diff = engine.submit("other", other, _params(20))
+    for fut in [*group, late]:
+        _check(models["a"], prompt, fut.result(timeout=60).output_ids, fut.result().logprobs)
+    _check(models["a"], other, diff.result(timeout=60).output_ids, diff.result().logprobs)
+    assert engine.stats()["total_prefilled_tokens"] - prefilled == len(prompt) - 1 + len(other) - 1
+
+
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_weight_update_while_paused_recomputes_the_cache(engine, models, mode):
     prompts = _prompts(5, seed=1)
