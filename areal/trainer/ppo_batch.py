@@ -5,13 +5,19 @@ the per-token tensors of its own sequences (`TokenTensors`, keyed by the sequenc
 in the batch, in that order), and whatever spans the whole batch is summed or gathered
 over the data-parallel ranks (`dp`):
 
-    shaped_rewards   ppo.shape_rewards, less the KL paid in the reward   all ranks' KL sums
-    advantages       ppo.compute_advantages / token_advantages / gae_advantages into .adv
-                                                                  (whitening over all ranks)
-    valid_tokens     the behaviour weight's mask, then M2PO's cut     the cut over all ranks
-    minibatch_norm   loss_agg's count of a minibatch                  summed over all ranks
-    PolicyLoss       ppo.policy_loss of one micro-batch (the backend's loss_fn)
-    ValueLoss        ppo.value_loss of one micro-batch (the critic's loss_fn)
+| step phase      | here                                   | over the ranks               |
+|-----------------|----------------------------------------|------------------------------|
+| 2) advantages   | shaped_rewards: ppo.shape_rewards less | the samples' KL sums         |
+|                 | the KL paid in the reward              |                              |
+|                 | advantages: ppo's estimator into .adv  | token whitening (REINFORCE++,|
+|                 |                                        | GAE), the critic's stats     |
+| 3) masks        | valid_tokens: the behaviour weight's   | M2PO's cut (gathered)        |
+|                 | mask, then M2PO's cut                  |                              |
+| 4) updates      | minibatch_norm: loss_agg's count       | summed                       |
+|                 | PolicyLoss: ppo.policy_loss of one     |                              |
+|                 | micro-batch (the backend's loss_fn)    |                              |
+|                 | ValueLoss: ppo.value_loss of one       |                              |
+|                 | micro-batch (the critic's loss_fn)     |                              |
 """
 
 from __future__ import annotations
