@@ -58,6 +58,9 @@ k3 = 1/r - 1 + log r (Schulman's). Advantages are per sequence (gamma = lambda =
 critic), from rewards shaped first (`shape_rewards`): see `compute_advantages`; REINFORCE++'s
 are per token (`token_advantages`), and so are PPO's with a critic (`gae_advantages`: GAE
 with the critic's values; the critic's own loss is `value_loss`).
+
+These take packed streams; trainer/ppo_batch.py applies them to a training step's batch
+(its per-token tensors, what spans its data-parallel ranks, the loss of each micro-batch).
 """
 
 from __future__ import annotations
@@ -572,7 +575,7 @@ def policy_loss(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_lens: Sequence[int] | torch.Tensor,
-    cfg: Any,
+    cfg: PPOConfig,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     n_norm: float | None = None,
@@ -585,15 +588,13 @@ def policy_loss(
     entropy (per token): needed when entropy_coef > 0. valid: the tokens that count, None =
     token_mask over this stream (the trainer passes the mask it made over the whole batch).
     """
-    ppo = _ppo(cfg)
     if valid is None:
-        valid = token_mask(proximal_logprobs, behaviour_logprobs, loss_mask, ppo, seq_lens)
+        valid = token_mask(proximal_logprobs, behaviour_logprobs, loss_mask, cfg, seq_lens)
     valid = valid.bool()
-    n_seqs = len(seq_lens)
     seq_id = _segments(seq_lens, len(logprobs), logprobs.device)
-    n_tok_seq = _per_seq(valid.to(logprobs.dtype), seq_id, n_seqs)  # valid tokens per sequence
+    n_tok_seq = _per_seq(valid.to(logprobs.dtype), seq_id, len(seq_lens))  # valid per sequence
     if n_norm is None:
-        n_norm = norm_count(valid, seq_lens, ppo)
+        n_norm = norm_count(valid, seq_lens, cfg)
     n_norm = max(float(n_norm), 1.0)
     zero = torch.zeros_like(logprobs)
 
@@ -601,31 +602,76 @@ def policy_loss(
     # of inf), and inf * 0 in the backward of a selected output is nan.
     log_w = torch.where(valid, proximal_logprobs - behaviour_logprobs, zero).detach()
     log_u = torch.where(valid, logprobs - proximal_logprobs.detach(), zero)
-    if ppo.importance_sampling_level != "token":
-        seq_mean = _per_seq(log_u, seq_id, n_seqs) / n_tok_seq.clamp(min=1)
-        seq_log_u = seq_mean[seq_id]
-        if ppo.importance_sampling_level == "sequence_token":
-            lp = torch.where(valid, logprobs, zero)
-            seq_log_u = seq_log_u.detach() + lp - lp.detach()
-        log_ratio = seq_log_u
-        log_w = (_per_seq(log_w, seq_id, n_seqs) / n_tok_seq.clamp(min=1))[seq_id]
-    else:
-        log_ratio = log_u
-    ratio = torch.exp(log_ratio)
-    behav_weight = torch.exp(log_w)
+    ratio, behav_weight = _ratios(logprobs, log_u, log_w, valid, seq_id, n_tok_seq, cfg)
     truncated = None
-    if ppo.behav_imp_weight_mode == "truncate":  # TIS: the level's weight, clamped
-        token_log_w = torch.where(valid, proximal_logprobs - behaviour_logprobs, zero).detach()
-        level_w = torch.exp(
-            level_log_weight(token_log_w, valid, seq_lens, ppo.behav_imp_weight_level)
-        )
-        floor, cap = ppo.behav_imp_weight_floor, ppo.behav_imp_weight_cap
-        behav_weight = torch.clamp(level_w, floor, cap)
-        truncated = valid & (behav_weight != level_w)
+    if cfg.behav_imp_weight_mode == "truncate":  # TIS: the level's weight, clamped
+        behav_weight, truncated = _truncated_weight(log_w, valid, seq_lens, cfg)
+    objective, clipped = _surrogate(ratio, advantages.to(logprobs.dtype), logprobs, valid, cfg)
+    per_token = -behav_weight * objective
+    per_token, kl = _regularised(per_token, logprobs, valid, cfg, ref_logprobs, entropy)
+    loss = _aggregate(torch.where(valid, per_token, zero), seq_id, n_tok_seq, cfg, n_norm)
+
+    m2 = (proximal_logprobs - behaviour_logprobs).detach() ** 2  # M2PO's, on every token
+    stats = _loss_stats(valid, loss_mask, m2, clipped, log_u, behav_weight, zero)
+    if truncated is not None:
+        stats["loss/behav_truncated_tokens"] = truncated.sum().item()
+        seq_truncated = _per_seq(truncated.long(), seq_id, len(seq_lens)) > 0
+        stats["loss/behav_truncated_seqs"] = seq_truncated.sum().item()
+    if kl is not None:
+        stats["loss/kl_ref"] = _token_mean(kl, valid, zero)
+    if entropy is not None:
+        stats["loss/entropy"] = _token_mean(entropy.detach(), valid, zero)
+    return loss, stats
+
+
+def _ratios(
+    logprobs: torch.Tensor,
+    log_u: torch.Tensor,
+    log_w: torch.Tensor,
+    valid: torch.Tensor,
+    seq_id: torch.Tensor,
+    n_tok_seq: torch.Tensor,
+    ppo: PPOConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u, w) at importance_sampling_level from their per-token logs (0 off the valid
+    tokens): token: as they are; sequence (GSPO): exp of their mean over the sequence's
+    valid tokens; sequence_token: that u's value, each token with its own gradient."""
+    if ppo.importance_sampling_level == "token":
+        return torch.exp(log_u), torch.exp(log_w)
+    n_seqs = len(n_tok_seq)
+    seq_log_u = (_per_seq(log_u, seq_id, n_seqs) / n_tok_seq.clamp(min=1))[seq_id]
+    if ppo.importance_sampling_level == "sequence_token":
+        lp = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+        seq_log_u = seq_log_u.detach() + lp - lp.detach()
+    seq_log_w = (_per_seq(log_w, seq_id, n_seqs) / n_tok_seq.clamp(min=1))[seq_id]
+    return torch.exp(seq_log_u), torch.exp(seq_log_w)
+
+
+def _truncated_weight(
+    log_w: torch.Tensor,
+    valid: torch.Tensor,
+    seq_lens: Sequence[int] | torch.Tensor,
+    ppo: PPOConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TIS: every token's behaviour weight the weight at behav_imp_weight_level (from the
+    per-token log w, 0 off the valid tokens) clamped to [floor, cap]; and the tokens whose
+    weight the clamp changed."""
+    level_w = torch.exp(level_log_weight(log_w, valid, seq_lens, ppo.behav_imp_weight_level))
+    weight = torch.clamp(level_w, ppo.behav_imp_weight_floor, ppo.behav_imp_weight_cap)
+    return weight, valid & (weight != level_w)
+
+
+def _surrogate(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    ppo: PPOConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """obj of ppo.loss per token (module docstring), before the behaviour weight; and the
+    tokens whose ratio the clip reached."""
     lo, hi = 1.0 - ppo.eps_clip, 1.0 + ppo.eps_clip_higher
     clipped_ratio = torch.clamp(ratio, lo, hi)
-    adv = advantages.to(logprobs.dtype)
-
     if ppo.loss == "ppo":
         surrogate = ratio * adv
         surrogate_clipped = clipped_ratio * adv
@@ -636,7 +682,7 @@ def policy_loss(
             clipped = clipped | ((adv < 0) & (dual > objective))
             objective = torch.where(adv < 0, dual, objective)
     elif ppo.loss == "cispo":
-        lp = torch.where(valid, logprobs, zero)
+        lp = torch.where(valid, logprobs, torch.zeros_like(logprobs))
         objective = clipped_ratio.detach() * adv * lp
         clipped = (ratio < lo) | (ratio > hi)
         if ppo.cispo_mask:  # MiniMax-M1's M: past the clip in A's direction, no gradient
@@ -646,8 +692,20 @@ def policy_loss(
         tau = torch.where(adv > 0, ppo.sapo_tau_pos, ppo.sapo_tau_neg).to(logprobs.dtype)
         objective = 4.0 / tau * torch.sigmoid(tau * (ratio - 1.0)) * adv
         clipped = (ratio < lo) | (ratio > hi)  # reported as PPO's would be, for comparison
-    per_token = -behav_weight * objective
+    return objective, clipped
 
+
+def _regularised(
+    per_token: torch.Tensor,
+    logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    ppo: PPOConfig,
+    ref_logprobs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-token loss with kl_coef * KL(theta || ref) (kl_in=loss) added and
+    entropy_coef * H taken off; and the KL per token (None without it)."""
+    zero = torch.zeros_like(logprobs)
     kl = None
     if ppo.kl_coef > 0 and ppo.kl_in == "loss":
         assert ref_logprobs is not None, "kl_coef > 0 with kl_in=loss needs ref_logprobs"
@@ -657,41 +715,41 @@ def policy_loss(
     if ppo.entropy_coef > 0:
         assert entropy is not None, "entropy_coef > 0 needs the per-token entropy"
         per_token = per_token - ppo.entropy_coef * torch.where(valid, entropy, zero)
+    return per_token, kl
 
-    loss = _aggregate(torch.where(valid, per_token, zero), seq_id, n_tok_seq, ppo, n_norm)
 
-    with torch.no_grad():
-        n_local = valid.sum()
-        n = n_local.clamp(min=1)
+@torch.no_grad()
+def _token_mean(x: torch.Tensor, valid: torch.Tensor, zero: torch.Tensor) -> float:
+    """The mean of x over the valid tokens (0 without any; zero: the loss's zeros)."""
+    return (torch.where(valid, x, zero).sum() / valid.sum().clamp(min=1)).item()
 
-        def token_mean(x: torch.Tensor) -> float:
-            return (torch.where(valid, x, zero).sum() / n).item()
 
-        stats = {
-            "loss/clipfrac": ((clipped & valid).sum() / n).item(),
-            # k3 estimator of KL(prox || theta) per token: non-negative, low variance.
-            "loss/approx_kl": token_mean(torch.exp(log_u) - 1 - log_u),
-            "loss/behav_weight_mean": token_mean(behav_weight),
-            "loss/behav_weight_max": behav_weight[valid].max().item() if n_local else 0.0,
-            "loss/n_valid_tokens": n_local.item(),
-            "loss/n_capped_tokens": (loss_mask.bool() & ~valid).sum().item(),
-            # M2PO's M2 before any mask, as a sum over the generated tokens, and their count
-            "loss/behav_log_weight_sq_sum": torch.where(
-                loss_mask.bool(), (proximal_logprobs - behaviour_logprobs).detach() ** 2, zero
-            )
-            .sum()
-            .item(),
-            "loss/n_generated_tokens": loss_mask.bool().sum().item(),
-        }
-        if truncated is not None:
-            stats["loss/behav_truncated_tokens"] = truncated.sum().item()
-            seq_truncated = _per_seq(truncated.long(), seq_id, n_seqs) > 0
-            stats["loss/behav_truncated_seqs"] = seq_truncated.sum().item()
-        if kl is not None:
-            stats["loss/kl_ref"] = token_mean(kl)
-        if entropy is not None:
-            stats["loss/entropy"] = token_mean(entropy.detach())
-    return loss, stats
+@torch.no_grad()
+def _loss_stats(
+    valid: torch.Tensor,
+    loss_mask: torch.Tensor,
+    m2: torch.Tensor,
+    clipped: torch.Tensor,
+    log_u: torch.Tensor,
+    behav_weight: torch.Tensor,
+    zero: torch.Tensor,
+) -> dict[str, float]:
+    """The statistics every loss reports: token means over the valid tokens and counts; and
+    M2PO's M2 before any mask (m2: (log pi_prox/pi_behav)^2 per token) as a sum over the
+    generated tokens, with their count."""
+    n_local = valid.sum()
+    generated = loss_mask.bool()
+    return {
+        "loss/clipfrac": ((clipped & valid).sum() / n_local.clamp(min=1)).item(),
+        # k3 estimator of KL(prox || theta) per token: non-negative, low variance.
+        "loss/approx_kl": _token_mean(torch.exp(log_u) - 1 - log_u, valid, zero),
+        "loss/behav_weight_mean": _token_mean(behav_weight, valid, zero),
+        "loss/behav_weight_max": behav_weight[valid].max().item() if n_local else 0.0,
+        "loss/n_valid_tokens": n_local.item(),
+        "loss/n_capped_tokens": (generated & ~valid).sum().item(),
+        "loss/behav_log_weight_sq_sum": torch.where(generated, m2, zero).sum().item(),
+        "loss/n_generated_tokens": generated.sum().item(),
+    }
 
 
 def _aggregate(

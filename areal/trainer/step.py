@@ -1,21 +1,27 @@
 """One training step: proximal log-probs -> advantages -> minibatch updates.
 
 batch of B*G trajectories
-  1) proximal log-probs: one no-grad forward with the weights at the start of the step
+  0) _prepare: the minibatches and this rank's share of each (batch_split), the tokens and
+     rollout tensors of this rank's sequences (ppo_batch.TokenTensors)
+  1) _proximal_pass: one no-grad forward with the weights at the start of the step
      (without a mask that needs them first, the first minibatch's own forward gives its
-     share; with ppo.prox_approx none at all); the reference policy's, with ppo.kl_coef;
-     with a critic (ppo.adv_estimator=gae) its values V_old: one no-grad forward
-  2) rewards shaped, advantages (ppo.adv_estimator) over the whole batch (gae: from V_old,
-     with the returns the critic learns)
-  3) the valid tokens: generated, kept by the behaviour weight's mask (ppo.behav_imp_weight_*)
-     and by M2PO's mask over the batch
-  4) for each of ppo.n_minibatches minibatches, in order:
+     share; with ppo.prox_approx none at all); _reference_pass: the reference policy's,
+     with ppo.kl_coef; _value_pass: with a critic (ppo.adv_estimator=gae) its values V_old,
+     one no-grad forward
+  2) _advantages: rewards shaped, advantages (ppo.adv_estimator) over the whole batch (gae:
+     from V_old, with the returns the critic learns)
+  3) ppo_batch.valid_tokens: generated, kept by the behaviour weight's mask
+     (ppo.behav_imp_weight_*) and by M2PO's mask over the batch
+  4) _updates: for each of ppo.n_minibatches minibatches, in order (_policy_update):
        this rank's token-balanced share (all of it without data parallelism)
        -> dynamic micro-batches, as many on every rank
-       -> ppo.policy_loss / loss_agg's count of the whole minibatch on all ranks
+       -> ppo_batch.PolicyLoss: ppo.policy_loss / loss_agg's count of the whole minibatch
+          on all ranks
        -> backward -> gradients summed over ranks -> clip -> one optimizer step
-       -> with a critic: the same micro-batches through it, the clipped value loss, its
-          own backward and optimizer step (one forward and backward more per minibatch)
+       -> with a critic (_critic_update): the same micro-batches through it, the clipped
+          value loss, its own backward and optimizer step (one forward and backward more
+          per minibatch)
+  5) _loss_statistics and the rest: the statistics of the whole batch, on every rank
 
 The backend (backend.TrainerBackend) runs the micro-batches: `forward` for the proximal
 log-probs, `forward_backward(micro_batches, loss_fn)` for the updates; a plain loop, or a
@@ -28,47 +34,22 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from areal import events
-from areal.config import TOKEN_ESTIMATORS, PPOConfig
-from areal.trainer import ppo as objective
+from areal.config import PPOConfig
+from areal.trainer import ppo_batch
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.micro_batches import allocate_micro_batches
 from areal.trainer.parallel import DataParallel
+from areal.trainer.ppo_batch import TokenTensors
 from areal.trajectory import Trajectory, TrajectoryRef
 
 if TYPE_CHECKING:  # transformers, which the critic imports, only where a critic is made
     from areal.trainer.critic import TorchCritic
-
-
-def _token_tensors(trajs: Sequence[Trajectory]):
-    """Per-sequence tensors aligned with the backend's log-prob stream (L-1 entries each)."""
-    out = []
-    for traj in trajs:
-        n_prompt, n_out = len(traj.prompt_ids), len(traj.output_ids)
-        length = n_prompt + n_out - 1
-        mask = torch.zeros(length)
-        mask[n_prompt - 1 :] = (
-            torch.tensor(traj.loss_mask, dtype=torch.float32) if traj.loss_mask else 1.0
-        )
-        behav = torch.zeros(length)
-        behav[n_prompt - 1 :] = torch.tensor(traj.logprobs, dtype=torch.float32)
-        version = torch.full((length,), -1, dtype=torch.long)
-        version[n_prompt - 1 :] = torch.tensor(traj.versions, dtype=torch.long)
-        # Tokens the model did not generate (tool results in a concat sample) are no one's:
-        # out of the loss, and out of the fresh-token check.
-        version[mask == 0] = -1
-        out.append(
-            {
-                "mask": mask,
-                "behav": behav,
-                "version": version,
-            }
-        )
-    return out
 
 
 _TOKEN_MEANS = (
@@ -86,19 +67,6 @@ _COUNTS = (
     "loss/n_generated_tokens",
 )
 _FRESH = ("train/fresh_tokens", "train/fresh_logprob_diff_max")
-_CHECKED = ("prox", "behav", "version")  # what the fresh-token check compares
-
-
-def _fresh_tokens_check(
-    prox: torch.Tensor, behav: torch.Tensor, versions: torch.Tensor, version: int
-) -> dict[str, float]:
-    """Tokens generated by the very weights the trainer holds now: their behaviour log-prob
-    must equal the proximal one. A gap means inference and training disagree (weights not
-    loaded, a different dtype or kernel), which silently biases every update."""
-    fresh = versions == version
-    n = int(fresh.sum())
-    gap = float((prox - behav)[fresh].abs().max()) if n else 0.0
-    return {"train/fresh_tokens": float(n), "train/fresh_logprob_diff_max": gap}
 
 
 def _accumulate(stats: dict[str, float], mb_stats: dict[str, float]) -> None:
@@ -162,192 +130,6 @@ def _equal_micro_batches(
     return mbs
 
 
-def _shaped_rewards(
-    trajs: Sequence[Trajectory | TrajectoryRef],
-    rewards: torch.Tensor,
-    truncated: torch.Tensor,
-    tokens: dict[int, dict],
-    mine: list[int],
-    ppo: PPOConfig,
-    dp: DataParallel,
-    max_new_tokens: int | None,
-) -> torch.Tensor:
-    """objective.shape_rewards, less kl_coef * each sample's KL to the reference with
-    kl_in=reward: under the policy that sampled it (behaviour), summed over its generated
-    tokens; each rank fills in its own samples and the sum over ranks the rest."""
-    shaped = objective.shape_rewards(
-        rewards,
-        torch.tensor([t.n_output for t in trajs]),
-        truncated,
-        ppo,
-        max_new_tokens=max_new_tokens,
-    )
-    if ppo.kl_coef > 0 and ppo.kl_in == "reward":
-        kl_sums = [0.0] * len(trajs)
-        for i in mine:
-            t = tokens[i]
-            kl = objective.kl_estimate(t["behav"], t["ref"], ppo.kl_estimator)
-            kl_sums[i] = float(torch.where(t["mask"].bool(), kl, 0.0).sum())
-        shaped = shaped - ppo.kl_coef * torch.tensor(dp.all_reduce(kl_sums), dtype=torch.float64)
-    return shaped
-
-
-def _per_token_inputs(
-    trajs: Sequence[Trajectory | TrajectoryRef],
-    tokens: dict[int, dict],
-    mine: list[int],
-    truncated: torch.Tensor,
-    ppo: PPOConfig,
-    max_new_tokens: int | None,
-) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """What the per-token estimators (REINFORCE++, GAE) start from, for this rank's
-    sequences: the shaped rewards, and each sequence's per-token KL when it is paid in the
-    reward (kl_in=reward; else None)."""
-    lengths = torch.tensor([trajs[i].n_output for i in mine])
-    rewards = torch.tensor([trajs[i].reward for i in mine], dtype=torch.float64)
-    shaped = objective.shape_rewards(
-        rewards, lengths, truncated[mine], ppo, max_new_tokens=max_new_tokens
-    )
-    if not (ppo.kl_coef > 0 and ppo.kl_in == "reward"):
-        return shaped, None
-    kls = [
-        objective.kl_estimate(tokens[i]["behav"], tokens[i]["ref"], ppo.kl_estimator) for i in mine
-    ]
-    return shaped, kls
-
-
-def _token_advantages(
-    trajs: Sequence[Trajectory | TrajectoryRef],
-    tokens: dict[int, dict],
-    mine: list[int],
-    truncated: torch.Tensor,
-    ppo: PPOConfig,
-    dp: DataParallel,
-    max_new_tokens: int | None,
-) -> None:
-    """objective.token_advantages of this rank's sequences into tokens[i]["adv"]: the
-    shaped reward less the KL's return-to-go (kl_in=reward), whitened over the generated
-    tokens of every rank."""
-    shaped, kls = _per_token_inputs(trajs, tokens, mine, truncated, ppo, max_new_tokens)
-    advs = objective.token_advantages(
-        shaped, [tokens[i]["mask"] for i in mine], ppo, kls=kls, truncated=truncated[mine],
-        sum_over_ranks=lambda xs: dp.all_reduce(xs, "sum"),
-    )  # fmt: skip
-    for i, adv in zip(mine, advs, strict=True):
-        tokens[i]["adv"] = adv
-
-
-def _m2po_mask(tokens: dict[int, dict], mine: list[int], tau: float, dp: DataParallel) -> int:
-    """M2PO's cut over the valid tokens of the whole batch (every rank's, gathered), applied
-    to this rank's; returns how many of its tokens it masked."""
-    m2 = {i: (tokens[i]["prox"] - tokens[i]["behav"]).double() ** 2 for i in mine}
-    local = [m2[i][tokens[i]["valid"]] for i in mine]
-    cut = objective.m2po_threshold(
-        dp.all_gather(torch.cat(local) if local else torch.zeros(0)), tau
-    )
-    n_masked = 0
-    for i in mine:
-        kept = tokens[i]["valid"] & (m2[i] < cut)
-        n_masked += int((tokens[i]["valid"] & ~kept).sum())
-        tokens[i]["valid"] = kept
-    return n_masked
-
-
-@torch.no_grad()
-def _value_pass(
-    critic: TorchCritic,
-    seqs: dict[int, list[int]],
-    mine: list[int],
-    starts: list[int],
-    tokens: dict[int, dict],
-    max_tokens_per_mb: int,
-) -> None:
-    """The critic's values of this rank's sequences before any update (V_old: the values
-    GAE uses and the value clip is centred on) into tokens[i]["old_values"], 0 off the
-    generated tokens."""
-    mbs = _micro_batches(seqs, mine, max_tokens_per_mb, 1)
-    streams = critic.forward(_pick(seqs, mbs), _pick(starts, mbs))
-    for mb, stream in zip(mbs, streams, strict=True):
-        for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
-            tokens[i]["old_values"] = torch.where(tokens[i]["mask"].bool(), part, 0.0)
-
-
-def _gae_advantages(
-    trajs: Sequence[Trajectory | TrajectoryRef],
-    tokens: dict[int, dict],
-    mine: list[int],
-    truncated: torch.Tensor,
-    ppo: PPOConfig,
-    dp: DataParallel,
-    max_new_tokens: int | None,
-) -> dict[str, float]:
-    """objective.gae_advantages of this rank's sequences into tokens[i]["adv"] and
-    ["returns"]; returns the critic's statistics over the generated tokens of the whole
-    batch: the old values' and returns' means, and the share of the returns' variance the
-    old values explain (1 - Var(R - V) / Var(R); 1 is perfect, <= 0 no better than a mean)."""
-    shaped, kls = _per_token_inputs(trajs, tokens, mine, truncated, ppo, max_new_tokens)
-    masks = [tokens[i]["mask"] for i in mine]
-    values = [tokens[i]["old_values"] for i in mine]
-    advs, returns = objective.gae_advantages(
-        shaped, masks, values, ppo, kls=kls, truncated=truncated[mine],
-        sum_over_ranks=lambda xs: dp.all_reduce(xs, "sum"),
-    )  # fmt: skip
-    sums = [0.0] * 6  # n, sum V, sum R, sum R^2, sum (R - V), sum (R - V)^2
-    for i, adv, ret, mask, v in zip(mine, advs, returns, masks, values, strict=True):
-        tokens[i]["adv"], tokens[i]["returns"] = adv, ret.float()
-        on = mask.bool()
-        r, err = ret[on], (ret - v.double())[on]
-        for k, x in enumerate((len(r), v[on].sum(), r.sum(), (r**2).sum(), err.sum())):
-            sums[k] += float(x)
-        sums[5] += float((err**2).sum())
-    n, s_v, s_r, s_r2, s_e, s_e2 = dp.all_reduce(sums, "sum")
-    n = max(n, 1.0)
-    var_r = s_r2 / n - (s_r / n) ** 2
-    var_e = s_e2 / n - (s_e / n) ** 2
-    return {
-        "critic/values_mean": s_v / n,
-        "critic/returns_mean": s_r / n,
-        "critic/explained_var": 1.0 - var_e / var_r if var_r > 1e-12 else 0.0,
-    }
-
-
-def _critic_update(
-    critic: TorchCritic,
-    seqs: dict[int, list[int]],
-    mbs: list[list[int]],
-    starts: list[int],
-    tokens: dict[int, dict],
-    value_clip: float | None,
-    dp: DataParallel,
-) -> dict[str, float]:
-    """One update of the critic on one minibatch (this rank's micro-batches `mbs`): the
-    clipped value loss, token mean over the minibatch's generated tokens on all ranks
-    (whatever ppo.loss_agg: the critic regresses every token's return alike), backward,
-    gradients summed over ranks, its own clip and optimizer step. Returns the loss, the
-    token-weighted clip fraction's sum and token count, and the gradient norm."""
-    n_local = sum(int(tokens[i]["mask"].sum()) for mb in mbs for i in mb)
-    (n_norm,) = dp.all_reduce([n_local], "sum")
-
-    def loss_fn(k: int, values: torch.Tensor):
-        cat = {
-            key: torch.cat([tokens[i][key] for i in mbs[k]]).to(values.device)
-            for key in ("old_values", "returns", "mask")
-        }
-        loss, mb_stats = objective.value_loss(
-            values, cat["old_values"], cat["returns"], cat["mask"], value_clip, n_norm
-        )
-        return loss, {**mb_stats, "critic/value_loss": loss.item()}
-
-    out = {"critic/value_loss": 0.0, "critic/clipfrac": 0.0, "critic/n_tokens": 0.0}
-    for mb_stats in critic.forward_backward(_pick(seqs, mbs), loss_fn, _pick(starts, mbs)):
-        out["critic/value_loss"] += mb_stats["critic/value_loss"]
-        out["critic/clipfrac"] += mb_stats["critic/clipfrac"] * mb_stats["critic/n_tokens"]
-        out["critic/n_tokens"] += mb_stats["critic/n_tokens"]
-    critic.reduce_grads(dp)
-    out["critic/grad_norm"] = critic.optimizer_step()
-    return out
-
-
 def batch_split(
     seqlens: Sequence[int], n_minibatches: int, seed: int, dp: DataParallel
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -360,6 +142,263 @@ def batch_split(
     shares = [dp.share(mb, seqlens) for mb in minibatches]
     mine = sorted({i for share in shares for i in share})
     return minibatches, shares, mine
+
+
+@dataclass
+class _Step:
+    """One train_step as its phases see it: its settings, and the batch as this rank holds
+    it (the tokens of its own sequences only: with the pull data plane it has no others)."""
+
+    trajs: Sequence[Trajectory | TrajectoryRef]  # the whole batch, the same on every rank
+    ppo: PPOConfig
+    dp: DataParallel
+    version: int | None  # the trainer's, before this step (None: no fresh-token check)
+    max_tokens_per_mb: int
+    min_n_mbs: int
+    seqlens: list[int]  # per sequence of the batch: its prompt and output tokens
+    starts: list[int]  # per sequence: the stream entry that predicts its first output token
+    minibatches: list[list[int]]  # over a fixed shuffle of the batch
+    shares: list[list[int]]  # this rank's token-balanced share of each minibatch
+    seqs: dict[int, list[int]]  # this rank's sequences (index in the batch: token ids), sorted
+    tokens: dict[int, TokenTensors]  # their per-token tensors, in the same order
+
+    @property
+    def mine(self) -> list[int]:
+        return list(self.seqs)
+
+
+def _prepare(
+    trajs: Sequence[Trajectory | TrajectoryRef],
+    ppo: PPOConfig,
+    dp: DataParallel,
+    seed: int,
+    version: int | None,
+    max_tokens_per_mb: int,
+    min_n_mbs: int,
+) -> _Step:
+    """0) The data-parallel shard: minibatches over a fixed shuffle of the batch, each
+    rank a token-balanced share of each, and the tokens and rollout tensors of this rank's
+    sequences."""
+    seqlens = [t.n_prompt + t.n_output for t in trajs]
+    minibatches, shares, mine = batch_split(seqlens, ppo.n_minibatches, seed, dp)
+    return _Step(
+        trajs=trajs,
+        ppo=ppo,
+        dp=dp,
+        version=version,
+        max_tokens_per_mb=max_tokens_per_mb,
+        min_n_mbs=min_n_mbs,
+        seqlens=seqlens,
+        # The loss reads each stream from its first generated token's prediction on.
+        starts=[t.n_prompt - 1 for t in trajs],
+        minibatches=minibatches,
+        shares=shares,
+        seqs={i: trajs[i].prompt_ids + trajs[i].output_ids for i in mine},
+        tokens={i: TokenTensors.of(trajs[i]) for i in mine},
+    )
+
+
+def _logprobs(backend: TrainerBackend, step: _Step, idx: list[int]) -> list[torch.Tensor]:
+    """proximal_logprobs of this rank's sequences `idx` under the backend's weights."""
+    return proximal_logprobs(
+        backend, [step.seqs[i] for i in idx], step.max_tokens_per_mb, [step.starts[i] for i in idx]
+    )
+
+
+def _first_forward_is_proximal(ppo: PPOConfig) -> bool:
+    """Without a mask that needs them before the update, the first minibatch's forward runs
+    on the very weights the proximal pass would: its log-probs, detached, are the proximal
+    ones (one forward over 1/n_minibatches of the batch saved, the whole pass with one
+    minibatch)."""
+    masks_first = ppo.behav_mask_bounds() != (None, None) or ppo.m2po_tau is not None
+    return ppo.use_decoupled_loss and ppo.prox_approx == "none" and not masks_first
+
+
+def _proximal_pass(backend: TrainerBackend, step: _Step) -> list[int]:
+    """1) The proximal policy = the weights before this step's first update: its log-probs
+    of this rank's sequences into TokenTensors.prox. Naive PPO uses the behaviour policy's
+    in its place; prox_approx interpolates them in the loss instead (no pass at all); the
+    first minibatch may get them from its own forward (_first_forward_is_proximal), and
+    until then has the behaviour's. Returns the sequences of the pass."""
+    ppo = step.ppo
+    rest: list[int] = []
+    prox: dict[int, torch.Tensor] = {}
+    if ppo.use_decoupled_loss and ppo.prox_approx == "none":
+        first = set(step.shares[0]) if _first_forward_is_proximal(ppo) else set()
+        rest = [i for i in step.mine if i not in first]
+        if rest:
+            # What the pass computes, for the planner's cost fit (areal/planner/calibrate.py).
+            work = dict(tokens=sum(step.seqlens[i] for i in rest), seqs=len(rest))
+            with events.span("proximal", version=step.version, **work):
+                prox = dict(zip(rest, _logprobs(backend, step, rest), strict=True))
+    for i, t in step.tokens.items():
+        t.prox = torch.where(t.mask.bool(), prox.get(i, t.behav), 0.0)
+    return rest
+
+
+def _reference_pass(ref: TrainerBackend | None, step: _Step) -> float:
+    """1) The frozen reference policy's log-probs of this rank's sequences (ppo.kl_coef > 0)
+    into TokenTensors.ref, the behaviour's off the generated tokens (a KL of 0 there).
+    Returns the pass's seconds."""
+    assert ref is not None, "ppo.kl_coef > 0 needs the reference policy (ref)"
+    t0 = time.time()
+    with events.span("reference", version=step.version):
+        ref_lps = _logprobs(ref, step, step.mine)
+    t_ref = time.time() - t0
+    for t, lp in zip(step.tokens.values(), ref_lps, strict=True):
+        t.ref = torch.where(t.mask.bool(), lp, t.behav)
+    return t_ref
+
+
+@torch.no_grad()
+def _value_pass(critic: TorchCritic, step: _Step) -> None:
+    """1) The critic's values of this rank's sequences before any update (V_old: the values
+    GAE uses and the value clip is centred on) into TokenTensors.old_values, 0 off the
+    generated tokens."""
+    seqs = step.seqs
+    mbs = _micro_batches(seqs, step.mine, step.max_tokens_per_mb, 1)
+    streams = critic.forward(_pick(seqs, mbs), _pick(step.starts, mbs))
+    for mb, stream in zip(mbs, streams, strict=True):
+        for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
+            t = step.tokens[i]
+            t.old_values = torch.where(t.mask.bool(), part, 0.0)
+
+
+def _advantages(
+    step: _Step, max_new_tokens: int | None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """2) Rewards shaped, then advantages over the whole batch (the same on every rank) into
+    TokenTensors.adv (and .returns with a critic). Returns the rewards, the shaped rewards
+    and the critic's statistics (gae)."""
+    trajs, ppo, dp = step.trajs, step.ppo, step.dp
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
+    shaped = ppo_batch.shaped_rewards(
+        trajs, rewards, truncated, step.tokens, ppo, dp, max_new_tokens
+    )
+    critic_stats = ppo_batch.advantages(
+        trajs, step.tokens, shaped, truncated, ppo, dp, max_new_tokens
+    )
+    return rewards, shaped, critic_stats
+
+
+def _loss_sums(step: _Step, rest: list[int]) -> dict[str, float]:
+    """4) The loss statistics' sums at zero, with every key a micro-batch reports (every rank
+    the same keys), and the fresh-token check of the proximal pass's sequences already in."""
+    ppo = step.ppo
+    keys = ["loss/ppo", *_TOKEN_MEANS[:3], *_COUNTS]
+    keys += ["loss/kl_ref"] if ppo.kl_coef > 0 and ppo.kl_in == "loss" else []
+    keys += ["loss/entropy"] if ppo.entropy_coef > 0 else []
+    if ppo.behav_imp_weight_mode == "truncate":
+        keys += ["loss/behav_truncated_tokens", "loss/behav_truncated_seqs"]
+    stats = dict.fromkeys(keys, 0.0)
+    if ppo.use_decoupled_loss and step.version is not None:
+        stats.update(dict.fromkeys(_FRESH, 0.0))
+        for i in rest:
+            t = step.tokens[i]
+            _accumulate(
+                stats, ppo_batch.fresh_tokens_check(t.prox, t.behav, t.versions, step.version)
+            )
+    if ppo.prox_approx != "none":
+        stats["train/prox_approx_gap_max"] = 0.0
+    return stats
+
+
+def _updates(
+    backend: TrainerBackend,
+    critic: TorchCritic | None,
+    step: _Step,
+    value_clip: float | None,
+    rest: list[int],
+) -> tuple[dict[str, float], list[float], dict[str, float]]:
+    """4) The sequential minibatch updates: the policy's, then the critic's. Returns the
+    loss statistics' sums, the policy's gradient norms and the critic's statistics' sums."""
+    stats = _loss_sums(step, rest)
+    v_now = _approx_version(step)
+    grad_norms = []
+    critic_sums: dict[str, float] = {}
+    for m, (minibatch, share) in enumerate(zip(step.minibatches, step.shares, strict=True)):
+        if not minibatch:
+            continue
+        mbs, grad_norm = _policy_update(backend, step, m, share, stats, v_now)
+        grad_norms.append(grad_norm)
+        if critic is not None:
+            t_critic = time.time()
+            mb_critic = _critic_update(critic, step, mbs, value_clip)
+            mb_critic["critic/n_updates"] = 1.0
+            for k, v in mb_critic.items():
+                critic_sums[k] = critic_sums.get(k, 0.0) + v
+            events.record("critic_update", t_critic, time.time(), version=step.version)
+    return stats, grad_norms, critic_sums
+
+
+def _approx_version(step: _Step) -> int | None:
+    """prox_approx: the proximal policy's version, the trainer's (None without
+    prox_approx); without `version`, the newest of the batch's tokens."""
+    if step.ppo.prox_approx == "none":
+        return None
+    if step.version is not None:
+        return step.version
+    return max(max(t.version_max, 0) for t in step.trajs)
+
+
+def _policy_update(
+    backend: TrainerBackend,
+    step: _Step,
+    m: int,
+    share: list[int],
+    stats: dict[str, float],
+    v_now: int | None,
+) -> tuple[list[list[int]], float]:
+    """4) One optimizer step of the policy on minibatch m (this rank's `share` of it), its
+    micro-batches' loss statistics added to `stats`. Returns the micro-batches and the
+    gradient norm."""
+    ppo, dp = step.ppo, step.dp
+    t_update = time.time()  # the timeline's update span, to the optimizer step
+    n_norm = ppo_batch.minibatch_norm(step.tokens, share, ppo, dp)
+    spec = (step.max_tokens_per_mb, step.min_n_mbs)
+    # Empty micro-batches (padding for data parallelism) run nothing.
+    mbs = [mb for mb in _equal_micro_batches(step.seqs, share, spec, dp) if mb]
+    loss_fn = ppo_batch.PolicyLoss(
+        _pick(step.tokens, mbs), ppo, n_norm, first=m == 0,
+        own_prox=m == 0 and _first_forward_is_proximal(ppo), version=step.version, v_now=v_now,
+    )  # fmt: skip
+    for mb_stats in backend.forward_backward(
+        _pick(step.seqs, mbs), loss_fn, _pick(step.starts, mbs),
+        with_entropy=ppo.entropy_coef > 0,
+    ):  # fmt: skip
+        _accumulate(stats, mb_stats)
+    # Clipping and the step come after the sum over ranks: every rank applies the same
+    # update to the same weights.
+    backend.reduce_grads(dp)
+    grad_norm = backend.optimizer_step()
+    events.record(
+        "update", t_update, time.time(), version=step.version,
+        tokens=sum(step.seqlens[i] for i in share), seqs=len(share), mbs=len(mbs),
+    )  # fmt: skip
+    return mbs, grad_norm
+
+
+def _critic_update(
+    critic: TorchCritic, step: _Step, mbs: list[list[int]], value_clip: float | None
+) -> dict[str, float]:
+    """4) One update of the critic on one minibatch (this rank's micro-batches `mbs`): the
+    clipped value loss (ppo_batch.ValueLoss), backward, gradients summed over ranks, its own
+    clip and optimizer step. Returns the loss, the token-weighted clip fraction's sum and
+    token count, and the gradient norm."""
+    n_local = sum(int(step.tokens[i].mask.sum()) for mb in mbs for i in mb)
+    (n_norm,) = step.dp.all_reduce([n_local], "sum")
+    loss_fn = ppo_batch.ValueLoss(_pick(step.tokens, mbs), value_clip, n_norm)
+    out = {"critic/value_loss": 0.0, "critic/clipfrac": 0.0, "critic/n_tokens": 0.0}
+    for mb_stats in critic.forward_backward(
+        _pick(step.seqs, mbs), loss_fn, _pick(step.starts, mbs)
+    ):
+        out["critic/value_loss"] += mb_stats["critic/value_loss"]
+        out["critic/clipfrac"] += mb_stats["critic/clipfrac"] * mb_stats["critic/n_tokens"]
+        out["critic/n_tokens"] += mb_stats["critic/n_tokens"]
+    critic.reduce_grads(step.dp)
+    out["critic/grad_norm"] = critic.optimizer_step()
+    return out
 
 
 def train_step(
@@ -392,202 +431,22 @@ def train_step(
         raise ValueError("ppo.adv_estimator=gae and a critic go together: pass both or neither")
     if max_new_tokens is not None:  # ExperimentConfig has filled them already
         ppo = ppo.with_lengths(max_new_tokens)
-    n_minibatches = ppo.n_minibatches
-    seqlens = [t.n_prompt + t.n_output for t in trajs]
-    # The loss reads each stream from its first generated token's prediction on.
-    starts = [t.n_prompt - 1 for t in trajs]
-    # Minibatches over a fixed shuffle of the batch; each rank takes a token-balanced share.
-    minibatches, shares, mine = batch_split(seqlens, n_minibatches, seed, dp)
-    # Tokens of this rank's sequences only (with the pull data plane it has no others).
-    seqs = {i: trajs[i].prompt_ids + trajs[i].output_ids for i in mine}
-    tokens = dict(zip(mine, _token_tensors([trajs[i] for i in mine]), strict=True))
-
-    # 1) proximal policy = the weights before this step's first update, for this rank's
-    #    sequences only. Naive PPO uses the behaviour policy in its place. Without a mask
-    #    that needs them before the update, the first minibatch's forward runs on the very
-    #    weights the proximal pass would: its log-probs, detached, are the proximal ones
-    #    (one forward over 1/n_minibatches of the batch saved, the whole pass with one
-    #    minibatch). prox_approx interpolates them in the loss instead (no pass at all).
-    decoupled, approx = ppo.use_decoupled_loss, ppo.prox_approx != "none"
-    masks_first = ppo.behav_mask_bounds() != (None, None) or ppo.m2po_tau is not None
-    reuse_first = decoupled and not approx and not masks_first
-    check_fresh = decoupled and version is not None
-    rest: list[int] = []  # the sequences of the proximal pass
-    prox: dict[int, torch.Tensor] = {}
-    if decoupled and not approx:
-        first = set(shares[0]) if reuse_first else set()
-        rest = [i for i in mine if i not in first]
-        if rest:
-            # What the pass computes, for the planner's cost fit (areal/planner/calibrate.py).
-            work = dict(tokens=sum(seqlens[i] for i in rest), seqs=len(rest))
-            with events.span("proximal", version=version, **work):
-                logprobs = proximal_logprobs(
-                    backend, [seqs[i] for i in rest], max_tokens_per_mb, [starts[i] for i in rest]
-                )
-            prox = dict(zip(rest, logprobs, strict=True))
-    for i in mine:  # naive PPO, and the first minibatch until its forward: the behaviour's
-        t = tokens[i]
-        t["prox"] = torch.where(t["mask"].bool(), prox.get(i, t["behav"]), 0.0)
-    t_ref = 0.0
-    if ppo.kl_coef > 0:
-        assert ref is not None, "ppo.kl_coef > 0 needs the reference policy (ref)"
-        t0 = time.time()
-        with events.span("reference", version=version):
-            ref_lps = proximal_logprobs(
-                ref, [seqs[i] for i in mine], max_tokens_per_mb, [starts[i] for i in mine]
-            )
-        t_ref = time.time() - t0
-        for i, lp in zip(mine, ref_lps, strict=True):
-            tokens[i]["ref"] = torch.where(tokens[i]["mask"].bool(), lp, tokens[i]["behav"])
+    step = _prepare(trajs, ppo, dp, seed, version, max_tokens_per_mb, min_n_mbs)
+    rest = _proximal_pass(backend, step)
+    t_ref = _reference_pass(ref, step) if ppo.kl_coef > 0 else None
     if critic is not None:
         with events.span("values", version=version):
-            _value_pass(critic, seqs, mine, starts, tokens, max_tokens_per_mb)
+            _value_pass(critic, step)
+    rewards, shaped, critic_stats = _advantages(step, max_new_tokens)
+    masked = ppo_batch.valid_tokens(step.tokens, ppo, dp)
+    sums, grad_norms, critic_sums = _updates(backend, critic, step, value_clip, rest)
 
-    # 2) rewards shaped, then advantages over the whole batch (the same on every rank)
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
-    truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
-    shaped = _shaped_rewards(trajs, rewards, truncated, tokens, mine, ppo, dp, max_new_tokens)
-    group_ids = torch.tensor([t.group_id for t in trajs])
-    critic_stats: dict[str, float] = {}
-    if ppo.adv_estimator == "gae":  # PPO with a critic: per token, from the old values
-        critic_stats = _gae_advantages(trajs, tokens, mine, truncated, ppo, dp, max_new_tokens)
-    elif ppo.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, over all ranks
-        _token_advantages(trajs, tokens, mine, truncated, ppo, dp, max_new_tokens)
-    else:
-        advantages = objective.compute_advantages(shaped, group_ids, ppo, truncated=truncated)
-        for i in mine:
-            tokens[i]["adv"] = torch.full_like(tokens[i]["behav"], float(advantages[i]))
-
-    # 3) the valid tokens: kept by the behaviour weight's mask, and M2PO's cut over the batch
-    n_masked = [0, 0]  # tokens, sequences
-    for i in mine:
-        t = tokens[i]
-        t["valid"] = objective.correction_mask(
-            t["prox"], t["behav"], t["mask"], [len(t["mask"])], ppo
-        )
-        lost = int((t["mask"].bool() & ~t["valid"]).sum())
-        n_masked[0] += lost
-        n_masked[1] += lost > 0
-    n_m2po = _m2po_mask(tokens, mine, ppo.m2po_tau, dp) if ppo.m2po_tau is not None else 0
-
-    # 4) sequential minibatch updates
-    keys = ["loss/ppo", *_TOKEN_MEANS[:3], *_COUNTS]
-    keys += ["loss/kl_ref"] if ppo.kl_coef > 0 and ppo.kl_in == "loss" else []
-    keys += ["loss/entropy"] if ppo.entropy_coef > 0 else []
-    if ppo.behav_imp_weight_mode == "truncate":
-        keys += ["loss/behav_truncated_tokens", "loss/behav_truncated_seqs"]
-    stats = dict.fromkeys(keys, 0.0)
-    if check_fresh:
-        stats.update(dict.fromkeys(_FRESH, 0.0))
-        for i in rest:
-            _accumulate(stats, _fresh_tokens_check(*(tokens[i][k] for k in _CHECKED), version))
-    if approx:
-        stats["train/prox_approx_gap_max"] = 0.0
-        v_now = version if version is not None else max(max(t.version_max, 0) for t in trajs)
-    grad_norms = []
-    critic_sums: dict[str, float] = {}
-    spec = (max_tokens_per_mb, min_n_mbs)
-    with_entropy = ppo.entropy_coef > 0
-    for m, (minibatch, share) in enumerate(zip(minibatches, shares, strict=True)):
-        if not minibatch:
-            continue
-        t_update = time.time()  # the timeline's update span, to the optimizer step
-        own_prox = reuse_first and m == 0
-        # The normaliser: loss_agg's count over the whole minibatch, over all ranks.
-        n_local = sum(
-            objective.norm_count(tokens[i]["valid"], [seqlens[i] - 1], ppo) for i in share
-        )
-        (n_norm,) = dp.all_reduce([n_local], "sum")
-        # Empty micro-batches (padding for data parallelism) run nothing.
-        mbs = [mb for mb in _equal_micro_batches(seqs, share, spec, dp) if mb]
-
-        def loss_fn(
-            k: int,
-            logprobs: torch.Tensor,
-            entropy: torch.Tensor | None = None,
-            mbs: list[list[int]] = mbs,
-            n_norm: float = n_norm,
-            own: bool = own_prox,
-            first: bool = m == 0,
-        ):
-            names = ["mask", "behav", "adv", "prox", "version", "valid"]
-            names += ["ref"] if ppo.kl_coef > 0 else []
-            cat = {
-                key: torch.cat([tokens[i][key] for i in mbs[k]]).to(logprobs.device)
-                for key in names
-            }
-            on = cat["mask"].bool()
-            extra = {}
-            if own or (approx and first):
-                # The first minibatch's forward runs on the proximal weights themselves.
-                if check_fresh:  # here, where the log-probs are (a pipeline's last stage)
-                    now = torch.where(on, logprobs.detach(), 0.0)
-                    extra = _fresh_tokens_check(now, cat["behav"], cat["version"], version)
-            if own:
-                cat["prox"] = torch.where(on, logprobs.detach(), 0.0)
-            if approx:
-                cat["prox"] = torch.where(
-                    on,
-                    objective.approx_proximal_logprobs(
-                        logprobs, cat["behav"], cat["version"], v_now
-                    ),
-                    0.0,
-                )
-                if first:
-                    gap = (cat["prox"] - logprobs.detach())[cat["valid"]].abs()
-                    extra["train/prox_approx_gap_max"] = float(gap.max()) if len(gap) else 0.0
-            loss, mb_stats = objective.policy_loss(
-                logprobs,
-                cat["prox"],
-                cat["behav"],
-                cat["adv"],
-                cat["mask"],
-                [seqlens[i] - 1 for i in mbs[k]],
-                ppo,
-                ref_logprobs=cat.get("ref"),
-                entropy=entropy,
-                n_norm=max(n_norm, 1),
-                valid=cat["valid"],
-            )
-            return loss, {**mb_stats, **extra, "loss/ppo": loss.item() / n_minibatches}
-
-        for mb_stats in backend.forward_backward(
-            _pick(seqs, mbs), loss_fn, _pick(starts, mbs), with_entropy=with_entropy
-        ):
-            _accumulate(stats, mb_stats)
-        # Clipping and the step come after the sum over ranks: every rank applies the same
-        # update to the same weights.
-        backend.reduce_grads(dp)
-        grad_norms.append(backend.optimizer_step())
-        events.record(
-            "update", t_update, time.time(), version=version,
-            tokens=sum(seqlens[i] for i in share), seqs=len(share), mbs=len(mbs),
-        )  # fmt: skip
-        if critic is not None:
-            t_critic = time.time()
-            mb_critic = _critic_update(critic, seqs, mbs, starts, tokens, value_clip, dp)
-            mb_critic["critic/n_updates"] = 1.0
-            for k, v in mb_critic.items():
-                critic_sums[k] = critic_sums.get(k, 0.0) + v
-            events.record("critic_update", t_critic, time.time(), version=version)
-
-    if ppo.m2po_tau is not None:
-        stats["loss/n_m2po_masked_tokens"] = float(n_m2po)
-    # (generated tokens out of the loss: loss/n_capped_tokens, this mask's and M2PO's)
-    stats["loss/behav_masked_tokens"], stats["loss/behav_masked_seqs"] = map(float, n_masked)
-    stats = dp.reduce_stats(stats)
-    n_tok = max(stats["loss/n_valid_tokens"], 1.0)
-    for k in _TOKEN_MEANS:
-        if k in stats:
-            stats[k] /= n_tok
-    # M2PO's M2 before any mask: the mean of (log pi_prox/pi_behav)^2 over generated tokens
-    n_gen = stats.pop("loss/n_generated_tokens")
-    stats["loss/behav_m2"] = stats.pop("loss/behav_log_weight_sq_sum") / max(n_gen, 1.0)
+    stats = _loss_statistics(sums, masked, ppo, dp)
     stats["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
     stats["reward/mean"] = rewards.mean().item()
     if not torch.equal(shaped, rewards):
         stats["reward/shaped_mean"] = shaped.mean().item()
-    if ppo.kl_coef > 0:
+    if t_ref is not None:
         stats["time/reference_s"] = t_ref
     stats["train/n_tokens"] = float(sum(t.n_generated for t in trajs))
     if critic is not None:
@@ -596,9 +455,32 @@ def train_step(
     return stats
 
 
+def _loss_statistics(
+    sums: dict[str, float], masked: tuple[int, int, int], ppo: PPOConfig, dp: DataParallel
+) -> dict[str, float]:
+    """5) The loss statistics of the whole batch from every rank's sums (and ppo_batch.
+    valid_tokens' counts `masked`): token means over the valid tokens, M2PO's M2 before
+    any mask as the mean of (log pi_prox/pi_behav)^2 over the generated tokens."""
+    n_behav_tokens, n_behav_seqs, n_m2po = masked
+    if ppo.m2po_tau is not None:
+        sums["loss/n_m2po_masked_tokens"] = float(n_m2po)
+    # (generated tokens out of the loss: loss/n_capped_tokens, this mask's and M2PO's)
+    sums["loss/behav_masked_tokens"] = float(n_behav_tokens)
+    sums["loss/behav_masked_seqs"] = float(n_behav_seqs)
+    stats = dp.reduce_stats(sums)
+    n_tok = max(stats["loss/n_valid_tokens"], 1.0)
+    for k in _TOKEN_MEANS:
+        if k in stats:
+            stats[k] /= n_tok
+    n_gen = stats.pop("loss/n_generated_tokens")
+    stats["loss/behav_m2"] = stats.pop("loss/behav_log_weight_sq_sum") / max(n_gen, 1.0)
+    return stats
+
+
 def _critic_summary(sums: dict[str, float], dp: DataParallel) -> dict:
-    """The critic's update statistics of the step: the value loss and gradient norm as means
-    over its updates (one per minibatch), the clip fraction over every generated token."""
+    """5) The critic's update statistics of the step: the value loss and gradient norm as
+    means over its updates (one per minibatch), the clip fraction over every generated
+    token."""
     n_updates = max(sums.pop("critic/n_updates", 0.0), 1.0)
     grad_norm = sums.pop("critic/grad_norm", 0.0) / n_updates  # the same on every rank
     total = dp.reduce_stats(sums)

@@ -28,7 +28,7 @@ from areal.models.cache import tiny_model
 from areal.models.tiny import build_tokenizer, make_tiny_model
 from areal.rollout.client import SGLangClient
 from areal.rollout.worker import RolloutWorker
-from areal.trainer.step import _token_tensors
+from areal.trainer.ppo_batch import TokenTensors
 from areal.trajectory import Trajectory
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.api import RolloutEngine
@@ -194,7 +194,7 @@ def test_individual_samples_are_token_exact_across_a_weight_update(random_versio
         expected = by_version[tags, torch.arange(len(t.output_ids))]
         assert torch.allclose(torch.tensor(t.logprobs), expected, atol=1e-4, rtol=0)
         # The loss covers exactly the call's output tokens.
-        mask = _token_tensors([t])[0]["mask"]
+        mask = TokenTensors.of(t).mask
         assert mask.tolist() == [0.0] * (len(t.prompt_ids) - 1) + [1.0] * len(t.output_ids)
     # Call 1 under v0, call 2 cut by the update (both versions, in order), call 3 under v1.
     assert set(group[0].versions) == {0} and set(group[2].versions) == {1}
@@ -272,9 +272,9 @@ def test_concat_one_sequence_or_fallback(warm_model, tmp_path, template):
     model_tokens = torch.tensor(t.loss_mask, dtype=torch.bool)
     assert torch.allclose(torch.tensor(t.logprobs)[model_tokens], ref[model_tokens], atol=1e-4)
     # The trainer: loss only on the model's tokens; environment tokens out of the version check.
-    tensors = _token_tensors([t])[0]
-    assert tensors["mask"].tolist() == [float(m) for m in mask[1:]]
-    assert (tensors["version"][tensors["mask"] == 0] == -1).all()
+    tensors = TokenTensors.of(t)
+    assert tensors.mask.tolist() == [float(m) for m in mask[1:]]
+    assert (tensors.versions[tensors.mask == 0] == -1).all()
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int]]:

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-import areal.trainer.step as step_mod
+import areal.trainer.ppo as ppo_mod
 from areal.config import PPOConfig
 from areal.models.tiny import make_tiny_model
 from areal.trainer.micro_batches import allocate_micro_batches
@@ -218,14 +218,14 @@ def test_every_minibatch_uses_the_proximal_logprobs_of_the_step_start(
     start = proximal_logprobs(make_backend(model_dir), seqs, BIG_BUDGET)
     backend = make_backend(model_dir)
     seen = []
-    real_loss = step_mod.objective.policy_loss
+    real_loss = ppo_mod.policy_loss
 
     def recording_loss(logprobs, prox, behav, adv, mask, *args, **kw):
         mb_seqs = backend.calls[-1]
         seen.append((logprobs.detach(), prox, mask, [seqs.index(s) for s in mb_seqs]))
         return real_loss(logprobs, prox, behav, adv, mask, *args, **kw)
 
-    monkeypatch.setattr(step_mod.objective, "policy_loss", recording_loss)
+    monkeypatch.setattr(ppo_mod, "policy_loss", recording_loss)
     train_step(backend, trajs, **step_args(n_minibatches=2, max_tokens_per_mb=BIG_BUDGET))
     assert len(seen) == 2  # one micro-batch per minibatch
     assert sorted(i for *_, idx in seen for i in idx) == list(range(len(trajs)))
