@@ -2,7 +2,7 @@
 and both against the machine's limit.
 
     pip install -c constraints.txt trl     # the repository's constraints.txt keeps the CPU torch
-    python benchmarks/vs_trl.py [--task arith|math] [--geometries 145k:32:8:8,4m:128:8:8,...]
+    python benchmarks/vs_trl.py [--task arith|math|long] [--geometries 145k:32:8:8,4m:128:8:8,...]
         [--steps 60] [--repeats 1] [--etas 0,4] [--fixed-split] [--limit-steps 3] [--skip-trl]
         [--dtype float32]
 
@@ -22,6 +22,9 @@ The task:
       task's warm-up) to answer in \\boxed{}, graded by math-verify on both sides: areal
       dataset.type=math through its reward service; TRL its own trl.rewards.accuracy_reward
       (math-verify), scaled to areal's +5/-5.
+  long: the math task on a random-initialised model (no warm-up): nothing is boxed and EOS
+      is rare, so answers run to the full length and generation dominates (issue 59's
+      regime; every reward -5 on both sides).
 With --dtype bfloat16 both compute in bfloat16: areal model.dtype=bfloat16 (servers in
 bfloat16, the trainer under autocast with float32 weights), TRL bf16=True (autocast), and
 the limit with the engine and trainer in the same dtype.
@@ -91,7 +94,7 @@ def learning_rate(data: str) -> float:
 
 
 WARMUP_STEPS = 200  # the math model's: it boxes its answers (a random one never does)
-TASKS = ("arith", "math")
+TASKS = ("arith", "math", "long")
 GEOMETRIES = "145k:32:8:8,4m:128:8:8,4m:64:16:4"
 
 
@@ -379,7 +382,8 @@ def main() -> None:
     cores = node_cores()
     rows = []
     with tempfile.TemporaryDirectory() as root:
-        data = str(math_records(Path(root) / "math.jsonl", 4096)) if args.task == "math" else ""
+        math = args.task in ("math", "long")
+        data = str(math_records(Path(root) / "math.jsonl", 4096)) if math else ""
         models: dict[str, Path] = {}
         for geo in geometries:
             if geo.shape not in models:

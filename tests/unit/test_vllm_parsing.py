@@ -18,8 +18,7 @@ from areal.comm.net import free_port
 from areal.rollout import vllm_ext
 from areal.rollout.backends.vllm import vllm_server_command
 from areal.rollout.inference import GenerateOutput
-from areal.rollout.vllm_client import (
-    VLLMClient,
+from areal.rollout.vllm_api import (
     build_generate_request,
     engine_request_id,
     parse_collective_rpc,
@@ -27,6 +26,7 @@ from areal.rollout.vllm_client import (
     parse_metrics,
     translate_sampling_params,
 )
+from areal.rollout.vllm_client import VLLMClient
 
 SHAPES = json.loads((Path(__file__).parents[1] / "data" / "vllm_shapes.json").read_text())
 
