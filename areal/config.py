@@ -383,7 +383,7 @@ class TrainerConfig(Section):
     _section: ClassVar[str] = "trainer"
 
     backend: str = "torch"
-    """Training engine: torch or megatron."""
+    """Training engine (areal/trainer/backends/): torch or megatron."""
     batch_size: int = 16
     """Prompts per training step; B in the staleness bound."""
     lr: float = 2e-5
@@ -414,14 +414,10 @@ class TrainerConfig(Section):
 
     def __post_init__(self) -> None:
         self._check_types()
-        self._one_of("backend", ("torch", "megatron"))
+        from areal.trainer.backends import names  # the registry: cheap, imports no backend
+
+        self._one_of("backend", names())
         self._one_of("save_dtype", DTYPES)
-        par = self.parallel
-        if self.backend == "torch" and par.tp * par.pp > 1:
-            raise ConfigError(
-                f"trainer.parallel.tp={par.tp}, pp={par.pp} need trainer.backend=megatron: "
-                "the torch backend is data-parallel only"
-            )
         self._positive("batch_size", "lr", "adam_eps", "grad_clip")
         self._non_negative("weight_decay", "save_freq_steps", "save_freq_s", "num_threads")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -844,12 +840,6 @@ class CriticConfig(Section):
                 "betas", f"must be two numbers in [0, 1), got {self.betas!r}; e.g. [0.9, 0.95]"
             )
 
-    def optimizer(self, trainer: "TrainerConfig") -> dict[str, Any]:
-        """The critic's optimizer settings, each null one taken from `trainer`."""
-        names = ("lr", "weight_decay", "betas", "adam_eps", "grad_clip")
-        return {n: getattr(trainer, n) if getattr(self, n) is None else getattr(self, n)
-                for n in names}  # fmt: skip
-
 
 @dataclass(kw_only=True)
 class LauncherConfig(Section):
@@ -1020,15 +1010,9 @@ class ExperimentConfig(Section):
                 "every minibatch; lower dp or n_minibatches, or raise the batch"
             )
 
-        if self.model.lora.enabled and self.trainer.backend != "torch":
-            raise ConfigError(
-                "model.lora needs trainer.backend=torch: the megatron backend trains every "
-                "weight. LoRA there would take adapter layers on its tensor-parallel linears "
-                "(column/row-parallel A and B), their gradients reduced over tp, and an "
-                "adapter gathered from the tp ranks at publish; use the torch backend, or "
-                "model.lora.rank=0 for full fine-tuning on megatron"
-            )
+        from areal.trainer.backends import load_backend as load_trainer_backend
 
+        load_trainer_backend(self.trainer.backend).check(self)
         self._check_weights()
         self._check_critic()
 
@@ -1058,17 +1042,12 @@ class ExperimentConfig(Section):
             )
 
     def _check_critic(self) -> None:
-        """The critic (ppo.adv_estimator=gae) is built for the torch backend, one replica."""
+        """The critic (ppo.adv_estimator=gae) is built for one replica of a full fine-tuning
+        (a trainer backend refuses it in its own check when it cannot train one beside it)."""
         if self.ppo.adv_estimator != "gae":
             return
         why = None
-        if self.trainer.backend != "torch":
-            why = (
-                "trainer.backend=megatron: the critic is a torch model beside the policy (a "
-                "megatron critic would need its own parallel model, value head and checkpoint "
-                "layout); use trainer.backend=torch"
-            )
-        elif self.model.lora.enabled:
+        if self.model.lora.enabled:
             why = (
                 "model.lora: the critic is a full copy of the model trained in full, which is "
                 "what LoRA avoids; train the policy in full (model.lora.rank=0)"
@@ -1109,12 +1088,6 @@ class ExperimentConfig(Section):
             raise ConfigError(
                 f"ppo.overlong_buffer={ppo.overlong_buffer} exceeds rollout.max_new_tokens="
                 f"{max_new}: the penalty grows over the last overlong_buffer tokens; lower it"
-            )
-        if self.trainer.backend == "megatron" and ppo.entropy_coef > 0:
-            raise ConfigError(
-                "ppo.entropy_coef > 0 needs trainer.backend=torch: the megatron backend "
-                "computes log-probs of the sampled tokens only (vocab-parallel entropy is "
-                "not built); use the torch backend or entropy_coef=0"
             )
 
     @property

@@ -211,6 +211,7 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
     from areal.models.tokenizer import load_tokenizer
     from areal.rollout.backends import load_backend
     from areal.rollout.engine import DecodeEngine
+    from areal.trainer.backends import load_backend as load_trainer_backend
     from areal.trainer.parallel import DataParallel
     from areal.trainer.worker import train
 
@@ -219,7 +220,10 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
             f"launcher.type=inline runs the embedded engine in this process, not "
             f"inference.backend={cfg.inference.backend}: set inference.backend=embedded"
         )
-    if cfg.trainer.parallel.world_size != 1 or cfg.trainer.backend != "torch":
+    if (
+        cfg.trainer.parallel.world_size != 1
+        or not load_trainer_backend(cfg.trainer.backend).in_process
+    ):
         raise ConfigError(
             "launcher.type=inline trains on one torch rank: set trainer.backend=torch and "
             "trainer.parallel.dp=tp=pp=1"

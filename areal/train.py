@@ -195,6 +195,7 @@ def check_loggers_installed(cfg: ExperimentConfig) -> None:
 def setup_lines(cfg: ExperimentConfig) -> list[str]:
     """The objective, and what is on beyond the paper's default: LoRA, a reference model."""
     from areal.config import PPOConfig
+    from areal.trainer.optimizer import OptimizerSpec
 
     objective = cfg.ppo.summary()
     default = PPOConfig().with_lengths(cfg.rollout.max_new_tokens).summary()
@@ -212,11 +213,11 @@ def setup_lines(cfg: ExperimentConfig) -> list[str]:
         ref = cfg.ref_model.path or "the policy's initial weights"
         lines.append(f"reference model on: {ref} (ppo.kl_coef={cfg.ppo.kl_coef:g})")
     if cfg.ppo.adv_estimator == "gae":
-        critic, opt = cfg.critic, cfg.critic.optimizer(cfg.trainer)
+        critic, opt = cfg.critic, OptimizerSpec.for_critic(cfg)
         clip = "off" if critic.value_clip is None else f"{critic.value_clip:g}"
         lines.append(
             f"critic on: {critic.path or 'the policy initial weights'} + a value head, "
-            f"lr {opt['lr']:g}, value clip {clip}"
+            f"lr {opt.lr:g}, value clip {clip}"
         )
     return lines
 

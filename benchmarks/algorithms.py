@@ -119,18 +119,21 @@ def prox_main(args: argparse.Namespace) -> None:
     from trainer import make_model, make_trajectories
 
     from areal.config import PPOConfig
+    from areal.trainer.optimizer import OptimizerSpec
     from areal.trainer.step import train_step
     from areal.trainer.torch_backend import TorchBackend
 
     torch.set_num_threads(1)
-    kw = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0)
+    opt = OptimizerSpec(
+        lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0, warmup_steps=0
+    )
+    kw = dict(optimizer=opt, device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model")
         backends = {
-            v: TorchBackend.from_dir(model_dir, warmup_steps=0, device="cpu", **kw)
-            for v in ("none", "loglinear", "none+ref")
+            v: TorchBackend.from_dir(model_dir, **kw) for v in ("none", "loglinear", "none+ref")
         }
-        ref = TorchBackend.from_dir(model_dir, warmup_steps=0, device="cpu", **kw)
+        ref = TorchBackend.from_dir(model_dir, **kw)
     vocab = backends["none"].model.config.vocab_size
     trajs = make_trajectories(64, vocab, "longtail", seed=0, median=100, sigma=1.3)
     for k, t in enumerate(trajs):  # stale samples: versions 0..3 behind the trainer's 4

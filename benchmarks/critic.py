@@ -32,6 +32,7 @@ from trainer import make_model, make_trajectories  # noqa: E402
 
 from areal.config import PPOConfig  # noqa: E402
 from areal.trainer.critic import TorchCritic  # noqa: E402
+from areal.trainer.optimizer import OptimizerSpec  # noqa: E402
 from areal.trainer.step import train_step  # noqa: E402
 from areal.trainer.torch_backend import TorchBackend  # noqa: E402
 
@@ -61,8 +62,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    kw = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0)
-    kw.update(warmup_steps=0, device="cpu")
+    opt = OptimizerSpec(
+        lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0, warmup_steps=0
+    )
+    kw = dict(optimizer=opt, device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model")
         policies = {v: TorchBackend.from_dir(model_dir, **kw) for v in ("policy", "critic")}

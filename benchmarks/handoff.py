@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from areal.rollout.engine import DecodeEngine
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.torch_backend import TorchBackend
 from areal.weights import publish
 
@@ -53,12 +54,14 @@ def ms(start: float) -> float:
 
 
 def make_trainer(model_dir: Path, backend: str, dtype: str):
-    opt = dict(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0)
+    opt = OptimizerSpec(
+        lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0, warmup_steps=1
+    )
     if backend == "megatron":
         from areal.trainer.megatron.backend import MegatronBackend
 
-        return MegatronBackend(model_dir, warmup_steps=1, dtype=dtype, save_dtype=dtype, **opt)
-    return TorchBackend.from_dir(model_dir, warmup_steps=1, dtype=dtype, device=DEVICE, **opt)
+        return MegatronBackend(model_dir, optimizer=opt, dtype=dtype, save_dtype=dtype)
+    return TorchBackend.from_dir(model_dir, optimizer=opt, dtype=dtype, device=DEVICE)
 
 
 def main() -> None:

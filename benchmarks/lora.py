@@ -68,14 +68,15 @@ def _vm_hwm_gib() -> float:
 
 def make_backend(args: argparse.Namespace):
     from areal.lora import LoRASpec
+    from areal.trainer.optimizer import OptimizerSpec
     from areal.trainer.torch_backend import TorchBackend
 
     lora = LoRASpec(args.rank, 2.0 * args.rank) if args.variant == "lora" else None
     dtype = args.lora_dtype if lora else "float32"
-    opt = dict(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0)
-    return TorchBackend.from_dir(
-        args.model, warmup_steps=1, device="cpu", lora=lora, dtype=dtype, **opt
+    opt = OptimizerSpec(
+        lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0, warmup_steps=1
     )
+    return TorchBackend.from_dir(args.model, optimizer=opt, device="cpu", lora=lora, dtype=dtype)
 
 
 def run_train(args: argparse.Namespace) -> dict:

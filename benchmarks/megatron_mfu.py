@@ -103,6 +103,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if on_gpu else "CPU (tiny shape, not the 1.5B one)"
     print(f"device: {where}; {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {dtype}")
     from areal.trainer.megatron.backend import MegatronBackend
+    from areal.trainer.optimizer import OptimizerSpec
     from areal.trainer.torch_backend import TorchBackend
 
     torch.manual_seed(0)
@@ -111,7 +112,9 @@ def main() -> None:
         torch.randint(0, cfg.vocab_size, (seq_len,), generator=g).tolist()
         for _ in range(n_tokens // seq_len)
     ]
-    opt = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0)
+    opt = OptimizerSpec(
+        lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-8, grad_clip=1.0, warmup_steps=0
+    )
     with tempfile.TemporaryDirectory() as d:
         save_random_qwen2(d, QWEN2_1P5B if on_gpu else TINY, getattr(torch, dtype))
         # The input embedding is a lookup, not arithmetic (tied, it is also the output layer).
@@ -120,11 +123,9 @@ def main() -> None:
         if not cfg.tie_word_embeddings:
             n_params -= cfg.vocab_size * cfg.hidden_size
         makers = {  # torch first: megatron's parallel state outlives its backend
-            "torch": lambda: TorchBackend.from_dir(d, warmup_steps=0, dtype=dtype, **opt),
-            "megatron-unfused": lambda: MegatronBackend(
-                d, warmup_steps=0, dtype=dtype, fused=False, **opt
-            ),
-            "megatron": lambda: MegatronBackend(d, warmup_steps=0, dtype=dtype, **opt),
+            "torch": lambda: TorchBackend.from_dir(d, optimizer=opt, dtype=dtype),
+            "megatron-unfused": lambda: MegatronBackend(d, optimizer=opt, dtype=dtype, fused=False),
+            "megatron": lambda: MegatronBackend(d, optimizer=opt, dtype=dtype),
         }
         flops_per_token = 6 * n_params + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
         peak = peak_tflops(args.peak_tflops)

@@ -35,6 +35,7 @@ import torch
 from areal.models.tiny import make_tiny_model
 from areal.tasks import longtail
 from areal.trainer.micro_batches import allocate_micro_batches
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.ppo import decoupled_ppo_loss
 from areal.trainer.step import proximal_logprobs
 from areal.trainer.torch_backend import TorchBackend
@@ -125,10 +126,11 @@ def main() -> None:
         model = make_tiny_model(
             Path(tmp) / "model", hidden=args.hidden, layers=args.layers, warmup_steps=0
         )
-        kw = dict(lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5)
-        backends = {
-            v: TorchBackend.from_dir(model, grad_clip=1.0, warmup_steps=0, **kw) for v in "dp"
-        }
+        opt = OptimizerSpec(
+            lr=1e-5, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0,
+            warmup_steps=0,
+        )  # fmt: skip
+        backends = {v: TorchBackend.from_dir(model, optimizer=opt) for v in "dp"}
     seqs, tokens = make_batch(backends["d"], lens, prompt_len, args.max_tokens_per_mb, seed=0)
     plans = {
         "d": allocate_micro_batches(lens, args.max_tokens_per_mb),

@@ -49,6 +49,7 @@ import torch
 
 from areal.config import PPOConfig
 from areal.models.tiny import build_tokenizer, tiny_config
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory
@@ -196,11 +197,13 @@ def main() -> None:
     variants = {"packed": TorchBackend, "padded": PaddedBackend}
     if not args.no_dense:
         variants["dense"] = DenseMaskBackend
-    kw = dict(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0)
+    opt = OptimizerSpec(
+        lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95), adam_eps=1e-5, grad_clip=1.0, warmup_steps=0
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(Path(tmp) / "model")
         backends = {
-            v: cls(model_dir, warmup_steps=0, device="cpu", **kw) for v, cls in variants.items()
+            v: cls.from_dir(model_dir, optimizer=opt, device="cpu") for v, cls in variants.items()
         }
     vocab = backends["packed"].model.config.vocab_size
     n_params = sum(p.numel() for p in backends["packed"].model.parameters())

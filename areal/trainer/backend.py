@@ -1,7 +1,7 @@
 """The trainer backend seam: what trainer/step.py and trainer/worker.py ask of a backend.
 
-    worker.py --make_backend(cfg) (factory.py)--> TorchBackend (torch_backend.py; DP only)
-                                              or  MegatronBackend (megatron/; TP, PP and DP)
+    worker.py --make_backend(cfg) (factory.py: backends/<trainer.backend>.py builds it)-->
+              TorchBackend (torch_backend.py; DP only) or MegatronBackend (megatron/; TP, PP, DP)
     step.py   --forward / forward_backward / reduce_grads / optimizer_step--> the backend
     worker.py --save_hf (publish) / save_optimizer + state_dict (checkpoint)--> the backend
 
@@ -19,7 +19,7 @@
 "if collect.": with `collective_save` every rank of the trainer world calls it at the same
 point (global rank 0 passes the directory, the others None: each contributes its slice);
 without it global rank 0 alone calls it, with a directory. This module declares the seam and
-imports none of its implementations (factory.py picks one by trainer.backend).
+imports none of its implementations (the registry, backends/, finds one by trainer.backend).
 """
 
 from __future__ import annotations
@@ -36,12 +36,6 @@ from areal.trainer.parallel import DataParallel
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 """Config dtype names (model.dtype, trainer.save_dtype) -> torch dtypes."""
-
-
-def warmup_lr(lr: float, n_steps: int, warmup_steps: int) -> float:
-    """Constant learning rate after a linear warm-up (paper, appendix A); n_steps optimizer
-    steps taken so far."""
-    return lr * min(1.0, (n_steps + 1) / max(1, warmup_steps))
 
 
 def optimizer_file(tp_rank: int = 0, stage: int = 0) -> str:

@@ -25,7 +25,7 @@ from transformers import AutoModel
 from transformers.utils import logging as hf_logging
 
 from areal.checkpoint import load_rank_state, save_rank_state
-from areal.trainer.backend import DTYPES, warmup_lr
+from areal.trainer.backend import DTYPES
 from areal.trainer.batching import (
     LossFn,
     forward_backward_loop,
@@ -33,6 +33,7 @@ from areal.trainer.batching import (
     pack_sequences,
     scored_rows,
 )
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
 from areal.trainer.parallel import DataParallel
 
@@ -61,12 +62,7 @@ class TorchCritic:
         self,
         trunk: torch.nn.Module,
         *,
-        lr: float,
-        weight_decay: float,
-        betas: Sequence[float],
-        adam_eps: float,
-        grad_clip: float,
-        warmup_steps: int,
+        optimizer: OptimizerSpec,
         dtype: str = "float32",
         device: str | None = None,
     ):
@@ -77,12 +73,8 @@ class TorchCritic:
         if not self._packed_by_position:
             trunk.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.params = list(self.model.parameters())
-        self.grad_clip = grad_clip
-        self.lr, self.warmup_steps, self.n_steps = lr, warmup_steps, 0
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=lr, betas=tuple(betas), eps=adam_eps, weight_decay=weight_decay,
-            fused=True,
-        )  # fmt: skip
+        self.optimizer_spec, self.n_steps = optimizer, 0
+        self.optimizer = torch.optim.AdamW(self.params, **optimizer.adamw_args(), fused=True)
         self._set_lr()
 
     @classmethod
@@ -137,11 +129,11 @@ class TorchCritic:
 
     def _set_lr(self) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = warmup_lr(self.lr, self.n_steps, self.warmup_steps)
+            group["lr"] = self.optimizer_spec.lr_at(self.n_steps)
 
     def optimizer_step(self) -> float:
         """Clip, step, and reset gradients; returns the gradient norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.optimizer_spec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.n_steps += 1

@@ -51,7 +51,7 @@ from transformers.utils import logging as hf_logging
 
 from areal.checkpoint import load_rank_state, save_rank_state
 from areal.lora import LoRASpec, apply_lora, load_adapter_tensors, read_adapter, save_adapter
-from areal.trainer.backend import DTYPES, optimizer_file, warmup_lr
+from areal.trainer.backend import DTYPES, optimizer_file
 from areal.trainer.batching import (
     LossFn,
     forward_backward_loop,
@@ -60,9 +60,15 @@ from areal.trainer.batching import (
     scored_rows,
 )
 from areal.trainer.logprobs import token_entropy, token_logprobs
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
 from areal.trainer.parallel import DataParallel
 from areal.weights import copy_companion_files
+
+
+def rank_device(dp: DataParallel) -> str | None:
+    """The device of a torch model of this rank: its GPU, or None (the classes' own choice)."""
+    return str(dp.device) if dp.device.type == "cuda" else None
 
 
 class TorchBackend:
@@ -77,12 +83,7 @@ class TorchBackend:
         *,
         tokenizer: PreTrainedTokenizerBase | None = None,
         model_dir: str | Path | None = None,
-        lr: float,
-        weight_decay: float,
-        betas: Sequence[float],
-        adam_eps: float,
-        grad_clip: float,
-        warmup_steps: int,
+        optimizer: OptimizerSpec,
         dtype: str = "float32",
         temperature: float = 1.0,
         device: str | None = None,
@@ -108,14 +109,10 @@ class TorchBackend:
                 load_adapter_tensors(self.model, read_adapter(adapter_dir)[1])
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.temperature = temperature
-        self.grad_clip = grad_clip
-        self.lr, self.warmup_steps, self.n_steps = lr, warmup_steps, 0
+        self.optimizer_spec, self.n_steps = optimizer, 0
         self.optimizer = torch.optim.AdamW(
             self.trainable,
-            lr=lr,
-            betas=tuple(betas),
-            eps=adam_eps,
-            weight_decay=weight_decay,
+            **optimizer.adamw_args(),
             # One kernel over all parameters instead of a loop of small ops: on CPU ~5x
             # faster for the tiny model, where the optimizer was a fifth of a step.
             fused=True,
@@ -215,13 +212,13 @@ class TorchBackend:
         dp.all_reduce_grads(self.trainable)
 
     def _set_lr(self) -> None:
-        lr = warmup_lr(self.lr, self.n_steps, self.warmup_steps)
+        lr = self.optimizer_spec.lr_at(self.n_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def optimizer_step(self) -> float:
         """Clip, step, and reset gradients; returns the gradient norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.optimizer_spec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.n_steps += 1

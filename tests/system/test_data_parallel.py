@@ -24,6 +24,7 @@ from areal.comm import wire
 from areal.comm.net import free_port
 from areal.config import PPOConfig
 from areal.models.tiny import make_tiny_model
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
@@ -67,12 +68,14 @@ STEP_ARGS = dict(
 def make_backend(model_dir) -> TorchBackend:
     return TorchBackend.from_dir(
         model_dir,
-        lr=1e-2,
-        weight_decay=0.0,
-        betas=(0.9, 0.999),
-        adam_eps=1e-3,  # keeps Adam's first step proportional to the gradient (see test_step)
-        grad_clip=1e9,
-        warmup_steps=0,
+        optimizer=OptimizerSpec(
+            lr=1e-2,
+            weight_decay=0.0,
+            betas=(0.9, 0.999),
+            adam_eps=1e-3,  # keeps Adam's first step proportional to the gradient (test_step)
+            grad_clip=1e9,
+            warmup_steps=0,
+        ),
         device="cpu",
     )
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from areal.comm.net import free_port
 from areal.models.tiny import make_tiny_model
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
 from tests.system.conftest import join_world
@@ -27,13 +28,15 @@ from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
 SEQS = [[5, 9, 14, 3, 22, 7, 1], [40, 2, 2], [11, 12, 13, 14, 15], [30, 31]]
 STARTS = [4, 0, 3, 1]  # the first stream entry the caller reads, per sequence
-OPT = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=1e9)
+OPT = OptimizerSpec(
+    lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=1e9, warmup_steps=0
+)
 
 
 def _backend(model_dir: str, tp: int):
     from areal.trainer.megatron.backend import MegatronBackend
 
-    return MegatronBackend(model_dir, tp=tp, warmup_steps=0, save_dtype="float32", **OPT)
+    return MegatronBackend(model_dir, tp=tp, optimizer=OPT, save_dtype="float32")
 
 
 def _grads(backend) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from areal.comm.net import free_port
 from areal.models.tiny import make_tiny_model
+from areal.trainer.optimizer import OptimizerSpec
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +26,9 @@ pytestmark = [
 ]
 
 SEQS = [[5, 9, 14, 3, 22, 7, 1, 8], [40, 2, 2, 6], [11, 12, 13, 14, 15], [30, 31, 32]]
-OPT = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0)
+OPT = OptimizerSpec(
+    lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0, warmup_steps=0
+)
 
 
 def _join(rank: int, world: int, port: int) -> None:
@@ -38,7 +41,7 @@ def _join(rank: int, world: int, port: int) -> None:
 def _backend(model_dir: str, **kw):
     from areal.trainer.megatron.backend import MegatronBackend
 
-    return MegatronBackend(model_dir, warmup_steps=0, dtype="bfloat16", **OPT, **kw)
+    return MegatronBackend(model_dir, optimizer=OPT, dtype="bfloat16", **kw)
 
 
 def _single_main(rank: int, model_dir: str, out_dir: str, port: int) -> None:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from areal.comm.net import free_port
 from areal.models.tiny import make_tiny_model
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
 from tests.system.conftest import join_world
@@ -25,7 +26,9 @@ from tests.system.test_data_parallel import STEP_ARGS, make_trajectories
 from tests.system.test_run import processes_mentioning, read_metrics, run_train
 
 # A small clip threshold: the global norm over both stages decides every update.
-OPT = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=0.05)
+OPT = OptimizerSpec(
+    lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=0.05, warmup_steps=0
+)
 N_STEPS = 2
 
 
@@ -36,9 +39,7 @@ def _rank_main(rank: int, pp: int, model_dir: str, out_dir: str, port: int) -> N
     out = Path(out_dir)
     world = init_data_parallel(1, rank, timeout_s=120, model_parallel=pp)
     try:
-        backend = MegatronBackend(
-            model_dir, pp=pp, warmup_steps=0, save_dtype="float32", seed=1, **OPT
-        )
+        backend = MegatronBackend(model_dir, pp=pp, optimizer=OPT, save_dtype="float32", seed=1)
         dp = data_parallel_group(world)
         trajs = make_trajectories(backend.shape.vocab_size)
         stats = [
@@ -70,7 +71,7 @@ def test_two_pipeline_stages_train_like_one(runs):
         assert len(two) == len(one) == N_STEPS
         for s1, s2 in zip(one, two, strict=True):
             assert sorted(s2) == sorted(s1)
-            assert s1["grad_norm"] > OPT["grad_clip"]  # clipping is at work
+            assert s1["grad_norm"] > OPT.grad_clip  # clipping is at work
             for key, v in s1.items():
                 assert s2[key] == pytest.approx(v, rel=1e-4, abs=1e-6), (rank, key)
 

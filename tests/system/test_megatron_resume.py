@@ -19,13 +19,21 @@ from safetensors.torch import load_file
 from areal import checkpoint
 from areal.comm.net import free_port
 from areal.models.tiny import make_tiny_model
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import init_data_parallel
 from areal.trainer.step import train_step
 from areal.trainer.worker import load_trainer_part, write_trainer_part
 from tests.system.conftest import join_world
 from tests.system.test_data_parallel import STEP_ARGS, make_trajectories
 
-OPT = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=1.0)
+OPT = OptimizerSpec(
+    lr=1e-2,
+    weight_decay=0.0,
+    betas=(0.9, 0.999),
+    adam_eps=1e-3,
+    grad_clip=1.0,
+    warmup_steps=3,  # the learning rate still ramps at step 2: n_steps must resume
+)
 TP = 2
 
 
@@ -50,9 +58,8 @@ def _rank_main(rank: int, phase: str, model_dir: str, exp_dir: str, port: int) -
         backend = MegatronBackend(
             ckpt.model_dir if ckpt else model_dir,
             tp=TP,
-            warmup_steps=3,  # the learning rate still ramps at step 2: n_steps must resume
+            optimizer=OPT,
             save_dtype="float32",
-            **OPT,
         )
         if phase == "first":
             for k in (0, 1):

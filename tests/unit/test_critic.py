@@ -14,6 +14,7 @@ from areal.checkpoint import save as save_checkpoint
 from areal.config import ConfigError, PPOConfig, load_config
 from areal.models.tiny import make_tiny_model
 from areal.trainer.critic import TorchCritic
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.ppo import ADV_EPS, gae, gae_advantages, token_rewards, value_loss
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
@@ -232,9 +233,9 @@ def test_ppo_recipe_turns_the_critic_on_with_the_trainers_optimizer_by_default()
     assert (cfg.ppo.adv_estimator, cfg.ppo.gamma, cfg.ppo.lam) == ("gae", 1.0, 0.95)
     assert (cfg.ppo.adv_norm, cfg.ppo.adv_std_norm) == ("batch", True)
     assert "adv=gae[gamma=1, lam=0.95, batch]" in cfg.ppo.summary()
-    opt = cfg.critic.optimizer(cfg.trainer)
-    assert opt["lr"] == 1e-3 and opt["betas"] == cfg.trainer.betas
-    assert opt["grad_clip"] == cfg.trainer.grad_clip
+    opt, policy = OptimizerSpec.for_critic(cfg), OptimizerSpec.for_policy(cfg)
+    assert opt.lr == 1e-3 and opt.betas == tuple(cfg.trainer.betas) == policy.betas
+    assert (opt.grad_clip, opt.warmup_steps) == (policy.grad_clip, policy.warmup_steps)
     default = load_config(None, [])
     assert (default.ppo.gamma, default.ppo.lam) == (None, None)  # no critic by default
 
@@ -256,8 +257,11 @@ def model_dir(tmp_path_factory):
 
 
 OPT = dict(
-    lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=1e9,
-    warmup_steps=0, device="cpu",
+    optimizer=OptimizerSpec(
+        lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=1e9,
+        warmup_steps=0,
+    ),
+    device="cpu",
 )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """No import circle in areal/: every import counts, those inside functions and under
 TYPE_CHECKING included, so a seam (a Protocol, a registry) never imports what it declares.
-Plugins found by name (tasks, inference backends) are imported with importlib and add no
-edge: the registry depends on nothing of theirs."""
+Plugins found by name (tasks, inference and trainer backends) are imported with importlib
+and add no edge: the registry depends on nothing of theirs."""
 
 from __future__ import annotations
 
@@ -89,6 +89,10 @@ def test_seams_import_none_of_their_implementations():
     registry = graph["areal.rollout.backends"]
     assert not {m for m in registry if m.startswith("areal.rollout.backends.")}
     assert not registry & {"areal.rollout.client", "areal.rollout.vllm_client", "areal.config"}
+    trainers = graph["areal.trainer.backends"]
+    assert not {m for m in trainers if m.startswith("areal.trainer.backends.")}
+    assert not trainers & {"areal.config", "areal.trainer.backend", "areal.trainer.torch_backend"}
+    assert "areal.trainer.megatron" not in graph["areal.trainer.backends.torch"]
 
 
 def test_the_check_finds_a_circle(tmp_path):

@@ -23,6 +23,7 @@ from areal.lora import (
 )
 from areal.models.tiny import build_tokenizer, make_tiny_model, tiny_config
 from areal.rollout.engine import DecodeEngine
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import DataParallel
 from areal.trainer.torch_backend import TorchBackend
 from areal.trainer.worker import load_trainer_part, write_trainer_part
@@ -36,11 +37,18 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", warmup_steps=0)
 
 
+OPT = OptimizerSpec(
+    lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999), adam_eps=1e-3, grad_clip=1.0, warmup_steps=4
+)
+PLAIN_OPT = OptimizerSpec(
+    lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0, warmup_steps=1
+)
+
+
 def make_backend(model_dir, adapter_dir=None, spec=SPEC) -> TorchBackend:
     return TorchBackend.from_dir(
-        model_dir, lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999), adam_eps=1e-3,
-        grad_clip=1.0, warmup_steps=4, device="cpu", lora=spec, adapter_dir=adapter_dir,
-    )  # fmt: skip
+        model_dir, optimizer=OPT, device="cpu", lora=spec, adapter_dir=adapter_dir
+    )
 
 
 def _step(backend: TorchBackend, k: int) -> None:
@@ -98,10 +106,7 @@ def test_the_trainer_trains_adapters_alone_and_a_version_is_the_adapter(model_di
     assert backend.optimizer.param_groups[0]["params"] == backend.trainable
     assert n_adapter < sum(p.numel() for p in backend.model.parameters()) / 4
     lp0 = backend.forward([SEQS])[0]
-    ref = TorchBackend.from_dir(
-        model_dir, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8,
-        grad_clip=1.0, warmup_steps=1, device="cpu",
-    )  # fmt: skip
+    ref = TorchBackend.from_dir(model_dir, optimizer=PLAIN_OPT, device="cpu")
     torch.testing.assert_close(lp0, ref.forward([SEQS])[0], rtol=0, atol=1e-6)  # B = 0
 
     for k in range(3):
@@ -178,9 +183,8 @@ def test_a_lora_checkpoint_resumes_exactly(model_dir, tmp_path):
 
 def test_a_bfloat16_lora_trainer_holds_the_base_in_bfloat16(model_dir):
     backend = TorchBackend.from_dir(
-        model_dir, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8,
-        grad_clip=1.0, warmup_steps=1, device="cpu", dtype="bfloat16", lora=SPEC,
-    )  # fmt: skip
+        model_dir, optimizer=PLAIN_OPT, device="cpu", dtype="bfloat16", lora=SPEC
+    )
     frozen = [p for p in backend.model.parameters() if not p.requires_grad]
     assert all(p.dtype == torch.bfloat16 for p in frozen)
     assert all(p.dtype == torch.float32 for p in backend.trainable)

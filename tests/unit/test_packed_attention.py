@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from areal.models.tiny import make_tiny_model
 from areal.trainer import packed_attention
 from areal.trainer.batching import pack_sequences
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
 from areal.trainer.torch_backend import TorchBackend
 
@@ -31,8 +32,10 @@ def model_dir(tmp_path_factory):
 
 
 def make_backend(model_dir) -> TorchBackend:
-    kw = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0)
-    return TorchBackend.from_dir(model_dir, warmup_steps=0, device="cpu", **kw)
+    optimizer = OptimizerSpec(
+        lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0, warmup_steps=0
+    )
+    return TorchBackend.from_dir(model_dir, optimizer=optimizer, device="cpu")
 
 
 def random_seqs(vocab: int, lens: list[int], seed: int = 0) -> list[list[int]]:

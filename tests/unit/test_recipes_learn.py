@@ -18,6 +18,7 @@ import torch
 from areal.config import RECIPES, PPOConfig
 from areal.models.tiny import build_tiny_model
 from areal.trainer.critic import TorchCritic
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory
@@ -31,10 +32,10 @@ def model():
 
 
 def make_backend_kwargs(lr: float = 3e-3) -> dict:
-    return dict(
-        lr=lr, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0,
-        warmup_steps=0, device="cpu",
-    )  # fmt: skip
+    optimizer = OptimizerSpec(
+        lr=lr, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0, warmup_steps=0
+    )
+    return dict(optimizer=optimizer, device="cpu")
 
 
 def make_backend(model, lr: float = 3e-3) -> TorchBackend:

@@ -14,6 +14,7 @@ import areal.trainer.ppo as ppo_mod
 from areal.config import PPOConfig
 from areal.models.tiny import make_tiny_model
 from areal.trainer.micro_batches import allocate_micro_batches
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.ppo import compute_advantages
 from areal.trainer.step import proximal_logprobs, train_step
 from areal.trainer.torch_backend import TorchBackend
@@ -56,7 +57,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_backend(model_dir, **overrides) -> RecordingBackend:
-    kw = dict(
+    optimizer = OptimizerSpec(
         lr=1e-2,
         weight_decay=0.0,
         betas=(0.9, 0.999),
@@ -65,10 +66,8 @@ def make_backend(model_dir, **overrides) -> RecordingBackend:
         adam_eps=1e-3,
         grad_clip=1e9,
         warmup_steps=0,
-        device="cpu",
     )
-    kw.update(overrides)
-    return RecordingBackend.from_dir(model_dir, **kw)
+    return RecordingBackend.from_dir(model_dir, optimizer=optimizer, device="cpu", **overrides)
 
 
 def sequence_logprobs(model, seq: list[int], temperature: float = 1.0) -> torch.Tensor:

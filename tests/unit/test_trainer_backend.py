@@ -1,17 +1,25 @@
-"""The trainer backend seam: both backends are backend.TrainerBackend, the torch backend's
-optimizer state survives a checkpoint, and the worker's save rule."""
+"""The trainer backend seam: both backends are backend.TrainerBackend, each one module of the
+registry (a new one is one file), the torch backend's optimizer state survives a checkpoint,
+and the worker's save rule."""
 
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from areal.checkpoint import save as save_checkpoint
+from areal.config import ConfigError, load_config
 from areal.models.tiny import make_tiny_model
+from areal.trainer import backends
 from areal.trainer.backend import TrainerBackend
+from areal.trainer.factory import make_backend as build_backend
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import DataParallel
 from areal.trainer.torch_backend import TorchBackend
 from areal.trainer.worker import load_trainer_part, save_rule, write_trainer_part
@@ -48,12 +56,14 @@ def model_dir(tmp_path_factory):
 def make_backend(model_dir) -> TorchBackend:
     return TorchBackend.from_dir(
         model_dir,
-        lr=1e-2,
-        weight_decay=0.01,
-        betas=(0.9, 0.999),
-        adam_eps=1e-3,
-        grad_clip=1.0,
-        warmup_steps=4,  # the learning rate still ramps after the checkpoint
+        optimizer=OptimizerSpec(
+            lr=1e-2,
+            weight_decay=0.01,
+            betas=(0.9, 0.999),
+            adam_eps=1e-3,
+            grad_clip=1.0,
+            warmup_steps=4,  # the learning rate still ramps after the checkpoint
+        ),
         device="cpu",
     )
 
@@ -79,6 +89,88 @@ def _step(backend: TorchBackend, k: int) -> None:
     backend.forward_backward([SEQS[:2], SEQS[2:]], loss_fn, [[3, 0], [1, 0]])
     backend.reduce_grads(DataParallel())
     backend.optimizer_step()
+
+
+def test_each_trainer_backend_is_one_module_found_by_name():
+    assert backends.names() == ("torch", "megatron")  # the default first
+    for name in backends.names():
+        assert backends.load_backend(name).name == name
+    assert backends.load_backend("torch").in_process
+    with pytest.raises(ConfigError, match="unknown trainer backend 'jax': use one of torch"):
+        backends.load_backend("jax")
+
+
+def test_a_megatron_config_loads_without_torch_or_megatron():
+    """The registry and a backend's rules are cheap: only build imports the backend."""
+    code = (
+        "import sys; from areal.config import load_config\n"
+        "load_config(None, ['trainer.backend=megatron', 'trainer.parallel.tp=2'])\n"
+        "heavy = {'torch', 'megatron', 'areal.trainer.megatron', 'areal.trainer.torch_backend'}\n"
+        "assert not heavy & set(sys.modules), heavy & set(sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+ECHO = """
+from areal.config_loader import ConfigError
+from areal.trainer.backends import TrainerBackendSpec
+
+
+class Echo(TrainerBackendSpec):
+    name = "echo"
+
+    def check(self, cfg):
+        if cfg.model.lora.enabled:
+            raise ConfigError("trainer.backend=echo trains no adapters")
+
+    def build(self, cfg, model_dir, dp, optimizer):
+        return {"model_dir": model_dir, "optimizer": optimizer}, dp
+
+
+BACKEND = Echo()
+"""
+
+
+@pytest.fixture
+def echo_backend(tmp_path, monkeypatch):
+    """A backend written as one module beside the registry's own (its package path)."""
+    (tmp_path / "echo.py").write_text(ECHO)
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(tmp_path)])
+    backends.names.cache_clear()
+    backends.load_backend.cache_clear()
+    yield
+    sys.modules.pop("areal.trainer.backends.echo", None)
+    vars(backends).pop("echo", None)  # the submodule's attribute on its package
+    backends.names.cache_clear()
+    backends.load_backend.cache_clear()
+
+
+def test_a_new_trainer_backend_is_one_file(echo_backend):
+    """Nothing but its module names it: the config accepts it, applies its rules, and
+    make_backend builds it with the run's optimizer."""
+    assert backends.names() == ("torch", "echo", "megatron")
+    with pytest.raises(ConfigError, match="trainer.backend=echo trains no adapters"):
+        load_config(None, ["trainer.backend=echo", "model.lora.rank=4"])
+    cfg = load_config(None, ["trainer.backend=echo", "trainer.lr=3e-4"])
+    dp = DataParallel()
+    built, built_dp = build_backend(cfg, "some/model", dp)
+    assert built == {"model_dir": "some/model", "optimizer": OptimizerSpec.for_policy(cfg)}
+    assert built_dp is dp and built["optimizer"].lr == 3e-4
+
+
+def test_the_optimizer_spec_is_the_config_s():
+    cfg = load_config(None, ["ppo.recipe=ppo", "critic.lr=1e-3", "total_train_steps=500"])
+    policy, critic = OptimizerSpec.for_policy(cfg), OptimizerSpec.for_critic(cfg)
+    t = cfg.trainer
+    assert (policy.lr, policy.weight_decay, policy.betas) == (t.lr, t.weight_decay, (0.9, 0.95))
+    assert (policy.adam_eps, policy.grad_clip) == (t.adam_eps, t.grad_clip)
+    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
+    assert policy.warmup_steps == int(t.warmup_steps_ratio * n_updates) > 0
+    assert critic == OptimizerSpec(**{**vars(policy), "lr": 1e-3})
+    ramp = [policy.lr_at(n) for n in (0, policy.warmup_steps - 1, 10**6)]
+    assert ramp == pytest.approx([t.lr / policy.warmup_steps, t.lr, t.lr])
 
 
 def test_torch_optimizer_state_survives_a_checkpoint(model_dir, tmp_path):
@@ -145,8 +237,10 @@ def test_a_bfloat16_trainer_keeps_float32_weights_and_adam(model_dir):
     update far below bfloat16's resolution is kept."""
     fp32 = make_backend(model_dir)
     bf16 = TorchBackend.from_dir(
-        model_dir, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8,
-        grad_clip=1.0, warmup_steps=0, dtype="bfloat16", device="cpu",
+        model_dir, dtype="bfloat16", device="cpu", optimizer=OptimizerSpec(
+            lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), adam_eps=1e-8, grad_clip=1.0,
+            warmup_steps=0,
+        ),
     )  # fmt: skip
     with torch.no_grad():
         want, got = fp32.logprobs(SEQS), bf16.logprobs(SEQS)

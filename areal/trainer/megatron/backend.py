@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from areal.checkpoint import load_rank_state, save_rank_state
-from areal.trainer.backend import DTYPES, optimizer_file, warmup_lr
+from areal.trainer.backend import DTYPES, optimizer_file
 from areal.trainer.batching import (
     LossFn,
     forward_backward_loop,
@@ -43,6 +43,7 @@ from areal.trainer.logprobs import token_logprobs
 from areal.trainer.megatron import cuda_redirect, pipeline
 from areal.trainer.megatron.model import build_gpt_model, has_transformer_engine, read_hf_config
 from areal.trainer.megatron.weights_io import hf_tensors, load_hf, save_hf
+from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import DataParallel, broadcast_plain
 
 
@@ -83,12 +84,7 @@ class MegatronBackend:
         *,
         tp: int = 1,
         pp: int = 1,
-        lr: float,
-        weight_decay: float,
-        betas: Sequence[float],
-        adam_eps: float,
-        grad_clip: float,
-        warmup_steps: int,
+        optimizer: OptimizerSpec,
         dtype: str = "float32",
         save_dtype: str = "bfloat16",
         temperature: float = 1.0,
@@ -113,17 +109,16 @@ class MegatronBackend:
         self.fused = fused and self.on_gpu
         self.gpt = build_gpt_model(self.shape, tp, pp, dtype, self.fused)
         load_hf(self.gpt, self.model_dir, self.shape, self.layout)
-        self.temperature, self.grad_clip = temperature, grad_clip
+        self.temperature = temperature
         self.dtype, self.save_dtype = DTYPES[dtype], DTYPES[save_dtype]
-        self.lr, self.warmup_steps, self.n_steps = lr, warmup_steps, 0
-        opt = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=adam_eps)
+        self.optimizer_spec, self.n_steps = optimizer, 0
         if self.on_gpu:
             from areal.trainer.megatron.gpu import wrap_for_gpu
 
-            self.model, self.optimizer = wrap_for_gpu(self.gpt, dtype, grad_clip, **opt)
+            self.model, self.optimizer = wrap_for_gpu(self.gpt, dtype, optimizer)
         else:
             self.model = self.gpt
-            self.optimizer = torch.optim.AdamW(self.gpt.parameters(), **opt)
+            self.optimizer = torch.optim.AdamW(self.gpt.parameters(), **optimizer.adamw_args())
         self._set_lr()
 
     # ---- forward ------------------------------------------------------------------------
@@ -302,7 +297,7 @@ class MegatronBackend:
         dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
     def _set_lr(self) -> None:
-        lr = warmup_lr(self.lr, self.n_steps, self.warmup_steps)
+        lr = self.optimizer_spec.lr_at(self.n_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -313,7 +308,7 @@ class MegatronBackend:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         else:
-            norm = clip_grad_norm(list(self.gpt.parameters()), self.grad_clip)
+            norm = clip_grad_norm(list(self.gpt.parameters()), self.optimizer_spec.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.n_steps += 1

@@ -19,17 +19,13 @@ from areal.trainer.batching import LossFn
 
 if TYPE_CHECKING:
     from areal.trainer.megatron.pipeline import Stage
+    from areal.trainer.optimizer import OptimizerSpec
 
 
 def wrap_for_gpu(
     gpt: torch.nn.Module,
     dtype: str,
-    grad_clip: float,
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: Sequence[float],
-    eps: float,
+    optimizer: OptimizerSpec,
 ) -> tuple[torch.nn.Module, Any]:
     """(DDP-wrapped model, Megatron optimizer) for a GPTModel already on the GPU."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -51,12 +47,12 @@ def wrap_for_gpu(
     model = DistributedDataParallel(config, ddp_config, module)
     opt_config = OptimizerConfig(
         optimizer="adam",
-        lr=lr,
-        weight_decay=weight_decay,
-        adam_beta1=betas[0],
-        adam_beta2=betas[1],
-        adam_eps=eps,
-        clip_grad=grad_clip,
+        lr=optimizer.lr,
+        weight_decay=optimizer.weight_decay,
+        adam_beta1=optimizer.betas[0],
+        adam_beta2=optimizer.betas[1],
+        adam_eps=optimizer.adam_eps,
+        clip_grad=optimizer.grad_clip,
         bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
         params_dtype=config.params_dtype,
