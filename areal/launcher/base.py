@@ -235,6 +235,9 @@ class Launcher(abc.ABC):
         progress = Progress(self.exp_dir / "metrics.jsonl", self.cfg.total_train_steps, sink)
         waits = self.start_waits(progress)
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        # SIGINT (Ctrl-C) stops the run even when this process started with it ignored, as a
+        # background job of a non-interactive shell does: Python then installs no handler.
+        previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             self.begin_attempt()
             self.procs = [self.start(step) for step in self.plan.steps]
@@ -295,6 +298,7 @@ class Launcher(abc.ABC):
         finally:
             self.stop_all()
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
 
     def start_waits(self, progress: Progress) -> StartWaits:
         """What the console names while the run starts (launcher/progress.py)."""

@@ -103,10 +103,11 @@ def test_a_tiny_run_on_vllm_learns_and_survives_a_killed_server(tmp_path):
     # vLLM's log-probs are the trainer's: the same policy, tokens and temperature.
     assert sum(m["train/fresh_tokens"] for m in metrics) > 0
     # Float32 noise between vLLM's CPU kernels and torch's on tiny_vllm's short answers:
-    # about 1e-6 a step, 1.2e-4 seen once on a rare token (long answers, tiny_longtail's,
-    # reach a few 1e-5); a stale or unpacked tied LM head is off by 1e-2 to 0.4.
+    # about 1e-6 a step, 1.2e-4 seen once on a rare token, 2.7e-5 in one of the two steps
+    # with fresh tokens of a run (long answers, tiny_longtail's, reach a few 1e-5); a stale
+    # or unpacked tied LM head is off by 1e-2 to 0.4.
     gaps = sorted(m["train/fresh_logprob_diff_max"] for m in metrics if m["train/fresh_tokens"])
-    assert gaps[len(gaps) // 2] < 1e-5 and gaps[-1] < 1e-3, gaps
+    assert gaps[len(gaps) // 2] < 1e-4 and gaps[-1] < 1e-3, gaps
     # The server came back on trained weights, no newer than the trainer's.
     assert 0 < metrics[-1]["rollout/server_version_min"] <= steps
     rewards = [m["reward/mean"] for m in metrics]
@@ -165,7 +166,7 @@ def test_a_tiny_lora_run_on_vllm_learns_and_a_killed_server_gets_the_current_ada
     assert sum(m["rollout/interrupted"] for m in metrics) > 0
     assert sum(m["rollout/multi_version_samples"] for m in metrics) > 0  # resumed on a new one
     gaps = sorted(m["train/fresh_logprob_diff_max"] for m in metrics if m["train/fresh_tokens"])
-    assert gaps and gaps[len(gaps) // 2] < 1e-5 and gaps[-1] < 1e-3, gaps
+    assert gaps and gaps[len(gaps) // 2] < 1e-4 and gaps[-1] < 1e-3, gaps  # as above
     # The restarted server was given the adapter under its version's name, and the newest
     # version the controller sent (the run may end before the servers get the last one);
     # it came back on trained weights.
