@@ -68,27 +68,36 @@ def make_model(shape: str, dtype: torch.dtype = torch.float32) -> Qwen2ForCausal
         return Qwen2ForCausalLM(config).to(dtype).eval()
 
 
-def hf_generate(model, batch: int, new: int) -> float:
-    ids = torch.tensor([PROMPT] * batch, device=model.device)
+def generate_s(model, prompts: list[list[int]], new: int) -> float:
+    """Seconds of transformers' `generate` for exactly `new` tokens after each prompt."""
+    ids = torch.tensor(prompts, device=model.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
             max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
         )  # fmt: skip
-    assert out.shape == (batch, len(PROMPT) + new)
+    assert out.shape == (len(prompts), ids.shape[1] + new)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    return batch * new / (time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+def engine_s(engine: DecodeEngine, prompts: list[list[int]], new: int, tag: str) -> float:
+    """Seconds of the engine for exactly `new` tokens after each prompt, all submitted at once."""
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=1.0)
+    start = time.perf_counter()
+    futures = [engine.submit(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    assert all(len(f.result(timeout=600).output_ids) == new for f in futures)
+    return time.perf_counter() - start
+
+
+def hf_generate(model, batch: int, new: int) -> float:
+    return batch * new / generate_s(model, [PROMPT] * batch, new)
 
 
 def engine_generate(engine: DecodeEngine, batch: int, new: int, tag: str) -> float:
-    params = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=1.0)
-    start = time.perf_counter()
-    futures = [engine.submit(f"{tag}-{i}", PROMPT, params) for i in range(batch)]
-    outputs = [f.result(timeout=600) for f in futures]
-    assert all(len(o.output_ids) == new for o in outputs)
-    return batch * new / (time.perf_counter() - start)
+    return batch * new / engine_s(engine, [PROMPT] * batch, new, tag)
 
 
 def prompt_cost(
@@ -98,19 +107,7 @@ def prompt_cost(
     prompts: one prompt for every row (group) or each row its own."""
     prompts = [[3 + (7 * j + (0 if group else r)) % 900 for j in range(prompt)]
                for r in range(rows)]  # fmt: skip
-    ids = torch.tensor(prompts, device=model.device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-            max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
-        )  # fmt: skip
-    hf = time.perf_counter() - start
-    params = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=1.0)
-    start = time.perf_counter()
-    futures = [engine.submit(f"{tag}-{r}", p, params) for r, p in enumerate(prompts)]
-    assert all(len(f.result(timeout=600).output_ids) == new for f in futures)
-    return hf, time.perf_counter() - start
+    return generate_s(model, prompts, new), engine_s(engine, prompts, new, tag)
 
 
 def decode_step_ms(model, rows: int, context: int, steps: int = 10) -> float:

@@ -653,7 +653,9 @@ class DecodeEngine:
         prefix once: a GRPO group's answers (one prompt, submitted together) and a request
         whose prompt a cached row already holds copy its keys and values instead, as SGLang's
         radix cache shares a prompt. Returns the tokens and rows computed."""
-        held = {tuple(r.prompt_ids[:-1]): r.row for r in cached} if todo and cached else {}
+        # Only a cached prompt as long as a new request's could be its source.
+        sizes = {len(r.prompt_ids) for r in todo if not r.output_ids}
+        held = {tuple(r.prompt_ids[:-1]): r.row for r in cached if len(r.prompt_ids) in sizes}
         first: dict[tuple[int, ...], int] = {}  # prefix -> the row computing it
         compute: list[tuple[int, list[int]]] = []  # (row, prefix)
         shares: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
