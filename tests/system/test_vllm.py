@@ -9,9 +9,11 @@ which vLLM's own in-place reload keeps the old LM head (areal/rollout/vllm_ext.p
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -32,6 +34,7 @@ from areal.rollout.launch import wait_for_server
 from areal.rollout.vllm_client import VLLMClient
 from areal.weight_group import buckets, open_group, send, spec
 from tests.system.conftest import copy_weights, ref_logprobs
+from tests.system.test_run import ROOT
 
 pytestmark = [
     pytest.mark.vllm,
@@ -235,12 +238,12 @@ def test_requests_after_idle_gaps_longer_than_the_keepalive_are_answered(server)
 
     async def body(client):
         outs = []
-        for _ in range(3):
+        for _ in range(2):
             outs.append(await client.generate([5, 6, 7], {"max_new_tokens": 1}))
             time.sleep(5.5)
         return outs + [await client.generate([5, 6, 7], {"max_new_tokens": 1})]
 
-    assert [len(o.output_ids) for o in _run(server, body)] == [1] * 4
+    assert [len(o.output_ids) for o in _run(server, body)] == [1] * 3
 
 
 def test_a_version_broadcast_in_buckets_is_applied_with_its_last_bucket(server, models):
@@ -318,3 +321,23 @@ def test_a_version_broadcast_in_buckets_is_applied_with_its_last_bucket(server, 
     m2 = _model(v2)
     _assert_logprobs(m2, prompt, new)
     _assert_logprobs(m2, prompt, after)
+
+
+def test_eval_through_vllm(server, models, tmp_path):
+    """`areal.eval --config configs/tiny_vllm.yaml --server-url URL`: a rollout worker with
+    VLLMClient generates on the vLLM server (sending its key), the reward service grades, and
+    the server it did not start serves on. (A started server is the backend's command line,
+    as the launcher's: test_vllm_run.py's runs start theirs.)"""
+    _, v0, _, _ = models
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "areal.eval", "--model", str(v0), "--config",
+           str(ROOT / "configs/tiny_vllm.yaml"), "--server-url", server, "--api-key", KEY,
+           "--n-samples", "4", "--k", "1,4", "--max-problems", "6",
+           "--output", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["backend"] == "vllm" and result["task"] == "arith"
+    assert result["reward_counts"]["graded"] == 24
+    assert 0.0 <= result["scores"]["pass@1"] <= result["scores"]["pass@4"] <= 1.0
+    assert _run(server, lambda c: c.health())

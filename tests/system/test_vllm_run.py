@@ -4,12 +4,9 @@ VLLMClient. Skipped, saying why, where the vLLM environment is missing."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -115,26 +112,6 @@ def test_a_tiny_run_on_vllm_learns_and_survives_a_killed_server(tmp_path):
     assert max(means) > means[0] + 1.0, means
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 30, "no orphans")
     _wait_for(lambda: vllm_processes(exp_dir) == [], 30, "no vLLM process left")
-
-
-def test_eval_through_vllm(tmp_path):
-    """`areal.eval --config configs/tiny_vllm.yaml`: the config's backend serves the model
-    (its command line, as the launcher's), a rollout worker with VLLMClient generates, the
-    reward service grades; nothing of the server is left afterwards."""
-    from areal.models.tiny import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "model", heads=2, warmup_steps=0)
-    out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "areal.eval", "--model", str(model), "--config", str(CONFIG)]
-    cmd += ["--n-samples", "4", "--k", "1,4", "--max-problems", "6", "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "started the vllm server" in proc.stdout
-    result = json.loads(out.read_text())
-    assert result["backend"] == "vllm" and result["task"] == "arith"
-    assert result["reward_counts"]["graded"] == 24
-    assert 0.0 <= result["scores"]["pass@1"] <= result["scores"]["pass@4"] <= 1.0
-    _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 30, "the server gone")
 
 
 def test_a_tiny_lora_run_on_vllm_learns_and_a_killed_server_gets_the_current_adapter(tmp_path):
