@@ -255,6 +255,9 @@ class Run:
             if self.roles.stop is not None and self.loop.is_running():
                 stop, self.roles.stop = self.roles.stop, None
                 self.on_loop(stop()).result(timeout=STOP_TIMEOUT_S)
+                # What the stop left (a weight update the last version started): cancelled
+                # and awaited, not destroyed pending with the loop.
+                self.on_loop(_cancel_rest()).result(timeout=STOP_TIMEOUT_S)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=10)
@@ -269,6 +272,15 @@ class Run:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _cancel_rest() -> None:
+    """Cancel every other task of this loop and wait for them (a bounded wait)."""
+    rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in rest:
+        task.cancel()
+    if rest:
+        await asyncio.wait(rest, timeout=10)
 
 
 def check_inline(cfg: ExperimentConfig) -> None:
