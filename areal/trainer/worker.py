@@ -1,7 +1,9 @@
 """The trainer worker: batch in, PPO update, weights out, one line of metrics.
 
-One loop, the same on every rank of the trainer world (`train`); what only global rank 0
-does in it (`dp.is_main`) talks to the controller and writes files:
+One loop, the same on every rank of the trainer world (`train`: `Trainer.step` up to
+total_train_steps, over the objects `make_trainer` builds; areal.build's `Run.step` is the
+same step, in your loop); what only global rank 0 does in it (`dp.is_main`) talks to the
+controller and writes files:
 
     step: version i -> i+1, on every rank
       get_batch(i): rank 0 asks the controller --broadcast--> every other rank
