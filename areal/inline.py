@@ -1,18 +1,26 @@
-"""A whole run in one Python process: `python -m areal.train --config configs/tiny.yaml
-launcher.type=inline`.
+"""A whole run in one Python process, built from objects: `areal.build(model, tokenizer,
+task, config)` returns a Run whose `step()` trains one version while the engines go on
+generating; `python -m areal.train --config configs/tiny.yaml launcher.type=inline` is the
+same build from the config (run_inline).
 
 ```
- main thread            trainer loop (trainer/worker.py train): get_batch -> train_step
-   |                      (ppo.py's loss) -> publish weights/vN -> weights_ready
+ main thread            your loop: run.step() = Trainer.step (trainer/worker.py):
+   |                      get_batch -> train_step (ppo.py's loss) -> publish weights/vN
    |  BlockingRpc: the call runs on the roles' loop; the trainer waits for its answer
  thread "inline-roles"  one asyncio loop: Controller (gate, buffer, episodes),
    |                      RolloutWorker k --EngineClient--> DecodeEngine k, RewardService
  thread "decode" (per engine)  continuous batching, as in the embedded server
 ```
 
+| waits for                        | unblocked by                                          |
+|----------------------------------|-------------------------------------------------------|
+| run.step(): its batch            | the controller's buffer holding one allowed at version|
+|                                  | i (max_staleness), or the roles' failure (NoProgress) |
+| run.close(): the roles' stop     | their tasks cancelled (60 s deadline), engines joined |
+
 The roles are the objects a normal run builds, wired without sockets: an RPC client is an
-InProcessRpc that awaits the object's method, its arguments and result round-tripped
-through the wire's msgpack (comm/wire.py) so that they are what a peer would receive. The
+InProcessRpc (comm/inproc.py) that awaits the object's method, its arguments and result
+round-tripped through the wire's msgpack so that they are what a peer would receive. The
 rollout worker's inference client is an EngineClient (no HTTP). The trainer trains while
 the engines generate (the staleness bound, metrics.jsonl and checkpoints are the normal
 run's); weights still go through weights/vN on disk. Only the embedded engine on CPU, one
@@ -23,91 +31,39 @@ with the others running on.
 from __future__ import annotations
 
 import asyncio
-import functools
+import copy
+import dataclasses
 import logging
+import pickle
+import shutil
 import sys
 import threading
-from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from areal.comm.rpc import RpcError, RpcTimeout
-from areal.comm.wire import pack, unpack
-from areal.config import ConfigError, ExperimentConfig
+from areal.comm.inproc import BlockingRpc, InProcessRpc
+from areal.comm.wire import unpack
+from areal.config import ConfigError, ExperimentConfig, from_dict, load_config, save_config
 
 if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
     from areal.checkpoint import Checkpoint
+    from areal.rollout.engine import DecodeEngine
+    from areal.tasks import Task
+    from areal.trainer.worker import Trainer
+    from areal.workflow import Workflow
 
 log = logging.getLogger("areal.inline")
 
-
-class InProcessRpc:
-    """An RpcClient stand-in (call, call_soon, close) that runs the methods on the caller's
-    event loop. As over the wire: arguments and results travel through pack/unpack, each
-    call's method runs in its own task, which a caller's timeout or cancellation leaves
-    running (the controller abandons a generate explicitly), and a failing method raises
-    RpcError (its cause chained, for the debugger)."""
-
-    def __init__(self, methods: dict[str, Callable[..., Awaitable[Any]]], address: str) -> None:
-        self.methods = methods
-        self.address = address
-        self._soon: set[asyncio.Task] = set()
-        self._handlers: set[asyncio.Task] = set()
-
-    async def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
-        fn = self.methods.get(method)
-        if fn is None:
-            raise RpcError(f"unknown method {method!r}; {self.address} has {sorted(self.methods)}")
-        handler = asyncio.create_task(fn(**unpack(pack(args))))
-        self._handlers.add(handler)
-        handler.add_done_callback(self._handlers.discard)
-        try:
-            result = await asyncio.wait_for(asyncio.shield(handler), timeout)
-        except asyncio.TimeoutError:
-            msg = f"no reply to {method!r} from {self.address} within {timeout:g} s"
-            raise RpcTimeout(msg) from None
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise RpcError(f"{type(e).__name__}: {e}") from e
-        return unpack(pack(result))
-
-    def call_soon(self, method: str, timeout: float, **args: Any) -> asyncio.Task:
-        task = asyncio.create_task(self.call(method, timeout=timeout, **args))
-        self._soon.add(task)
-        task.add_done_callback(self._soon.discard)
-        return task
-
-    def close(self) -> None:
-        """Cancel the call_soon calls and the methods still running (as RpcServer.close)."""
-        for task in [*self._soon, *self._handlers]:
-            task.cancel()
-
-
-class BlockingRpc:
-    """The trainer's SyncRpcClient stand-in: runs an InProcessRpc call on the roles' loop
-    and waits; raises the roles' failure instead of waiting forever."""
-
-    def __init__(self, rpc: InProcessRpc, roles: _Roles) -> None:
-        self.rpc = rpc
-        self.roles = roles
-
-    def call(self, method: str, timeout: float | None = None, **args: Any) -> Any:
-        future = asyncio.run_coroutine_threadsafe(
-            self.rpc.call(method, timeout, **args), self.roles.loop
-        )
-        while True:
-            try:
-                return future.result(timeout=0.2)
-            except FutureTimeout:
-                if self.roles.failure is not None:
-                    future.cancel()
-                    raise self.roles.failure from None
-
-    def close(self) -> None:
-        pass
+START_TIMEOUT_S = 300.0
+"""Deadline of the roles' start (reward pool, rollout workers, controller) on their loop."""
+STOP_TIMEOUT_S = 60.0
+"""Deadline of their stop: cancelled tasks, closed clients, the reward pool joined."""
 
 
 @dataclass
@@ -129,6 +85,7 @@ async def _start_roles(
     tokenizer: Any,
     rows: list[dict],
     resume_from: Checkpoint | None,
+    episodes: _Episodes,
 ) -> None:
     """Build reward service, rollout workers and controller on this loop, as
     areal/worker.py and controller.run_controller do, and start admitting."""
@@ -139,7 +96,7 @@ async def _start_roles(
     from areal.rollout.worker import RolloutWorker
 
     inf = cfg.inference
-    reward = RewardService(cfg.reward)
+    reward = RewardService(cfg.reward, episodes.tasks)
     workers = []
     for k, engine in enumerate(engines):
         client = EngineClient(engine, f"inline://engine{k}")
@@ -159,7 +116,9 @@ async def _start_roles(
     ]
     reward_rpc = InProcessRpc({"grade": reward.grade, "stats": reward.stats}, "reward0")
     # One process: every object shares the tokens already, there is nothing to pull.
-    controller = Controller(cfg, rows, tokenizer, worker_rpcs, reward_rpc, data_plane="relay")
+    controller = Controller(
+        cfg, rows, tokenizer, worker_rpcs, reward_rpc, episodes.workflow, data_plane="relay"
+    )
     if resume_from is not None:
         controller.load_state_dict(
             unpack(resume_from.controller_state.read_bytes()), resume_from.version
@@ -201,19 +160,133 @@ async def _start_roles(
     roles.stop = stop
 
 
-def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> int:
-    """Every role of the run in this process (the experiment directory prepared by
-    train.prepare_experiment); returns the exit code, as a launcher's run()."""
-    import torch
+# ---------------------------------------------------------------- objects in: areal.build
 
-    from areal.controller.failures import NO_PROGRESS_EXIT, NoProgress
-    from areal.data.dataset import load_rows, tokenize_rows
-    from areal.models.tokenizer import load_tokenizer
+
+def build(
+    model: torch.nn.Module | str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    task: Task | Workflow | Callable | str = "arith",
+    config: ExperimentConfig | Mapping[str, Any] | Sequence[str] | None = None,
+    *,
+    resume_from: Checkpoint | None = None,
+) -> Run:
+    """A run in this process, from objects; `with build(...) as run: run.step()`.
+
+    model: a transformers causal LM (trained in place: `run.model`; each engine decodes
+    with a copy), or its directory. tokenizer: the model's (a directory's own when None);
+    it needs a chat template. task: an areal.tasks.Task (its `is_correct` is the reward:
+    a researcher's own), a task's name (dataset.type), or a workflow (a Workflow subclass
+    or instance, or an agent function) that runs on the config's dataset. config: an
+    ExperimentConfig, a nested mapping, or dotted overrides ("trainer.lr=3e-3"); the run
+    writes metrics, weights and checkpoints to its experiment directory, as any run.
+    resume_from: the checkpoint run_inline resumes (prepared by train.prepare_experiment).
+    """
+    cfg = _as_config(config)
+    check_inline(cfg)
+    model_dir, tokenizer = _model_and_tokenizer(model, tokenizer)
+    if model_dir is not None:
+        cfg.model.path = model_dir
+    else:
+        _check_model_object(cfg)
+    episodes = _episodes(task, cfg)
+    _ready_dir(cfg, resume_from)
+    rows = _rows(episodes, cfg, tokenizer)
+    run = Run(cfg)
+    try:
+        _add_engines(run, model, tokenizer, resume_from)
+        start = _start_roles(run.roles, cfg, run.engines, tokenizer, rows, resume_from, episodes)
+        try:
+            run.on_loop(start).result(timeout=START_TIMEOUT_S)
+        except FutureTimeout:
+            raise RuntimeError(f"the roles did not start within {START_TIMEOUT_S:g} s") from None
+        run.trainer = _make_trainer(run, None if model_dir else model, tokenizer)
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+class Run:
+    """A built run: `step()` trains one version (rollout goes on generating in the
+    background within max_staleness); `close()`, or leaving `with`, stops every role."""
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.cfg = cfg
+        self.engines: list[DecodeEngine] = []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="inline-roles")
+        self.thread.daemon = True  # a failed close must not keep the interpreter alive
+        self.thread.start()
+        self.roles = _Roles(self.loop)
+        self.trainer: Trainer | None = None
+
+    def on_loop(self, coro: Awaitable) -> Any:
+        """Run `coro` on the roles' loop; a concurrent Future of its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    @property
+    def version(self) -> int:
+        """The trainer's version: steps done (a resumed run's included)."""
+        return 0 if self.trainer is None else self.trainer.version
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being trained."""
+        if self.trainer is None:
+            raise RuntimeError("the run is closed")
+        return self.trainer.backend.model
+
+    def step(self) -> dict[str, float]:
+        """One asynchronous RL step: the oldest batch the staleness bound allows, one PPO
+        update (trainer/step.py), the new weights published to the engines. Returns the
+        step's metrics line (reward/mean, loss/..., staleness/max, ...). Raises the roles'
+        failure (controller.failures.NoProgress when episodes only fail)."""
+        if self.trainer is None:
+            raise RuntimeError("the run is closed: build another")
+        return self.trainer.step()
+
+    def close(self) -> None:
+        """Stop the trainer's files, the roles (within STOP_TIMEOUT_S) and the engines."""
+        trainer, self.trainer = self.trainer, None
+        try:
+            if trainer is not None:
+                trainer.close()
+            if self.roles.stop is not None and self.loop.is_running():
+                stop, self.roles.stop = self.roles.stop, None
+                self.on_loop(stop()).result(timeout=STOP_TIMEOUT_S)
+                # What the stop left (a weight update the last version started): cancelled
+                # and awaited, not destroyed pending with the loop.
+                self.on_loop(_cancel_rest()).result(timeout=STOP_TIMEOUT_S)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+            if not self.thread.is_alive():
+                self.loop.close()
+            for engine in self.engines:
+                engine.shutdown()
+            self.engines = []
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _cancel_rest() -> None:
+    """Cancel every other task of this loop and wait for them (a bounded wait)."""
+    rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in rest:
+        task.cancel()
+    if rest:
+        await asyncio.wait(rest, timeout=10)
+
+
+def check_inline(cfg: ExperimentConfig) -> None:
+    """What one process can run: the embedded engine and one torch rank (ConfigError)."""
     from areal.rollout.backends import load_backend
-    from areal.rollout.engine import DecodeEngine
     from areal.trainer.backends import load_backend as load_trainer_backend
-    from areal.trainer.parallel import DataParallel
-    from areal.trainer.worker import train
 
     if not load_backend(cfg.inference.backend).in_process:
         raise ConfigError(
@@ -228,45 +301,210 @@ def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> 
             "launcher.type=inline trains on one torch rank: set trainer.backend=torch and "
             "trainer.parallel.dp=tp=pp=1"
         )
-    inf = cfg.inference
-    tokenizer = load_tokenizer(cfg.model.path)
-    rows = tokenize_rows(load_rows(cfg.dataset, cfg.seed), tokenizer, cfg.dataset.max_prompt_len)
+
+
+def _as_config(config: ExperimentConfig | Mapping | Sequence[str] | None) -> ExperimentConfig:
+    if config is None:
+        return load_config()
+    if isinstance(config, ExperimentConfig):
+        return config
+    if isinstance(config, Mapping):
+        return from_dict(dict(config))
+    if isinstance(config, Sequence) and not isinstance(config, str | bytes):
+        return load_config(None, list(config))
+    raise TypeError(
+        f"config must be an ExperimentConfig, a nested mapping or a list of dotted overrides "
+        f'("trainer.lr=3e-3"); got {type(config).__name__}'
+    )
+
+
+def _model_and_tokenizer(
+    model: Any, tokenizer: PreTrainedTokenizerBase | None
+) -> tuple[str | None, PreTrainedTokenizerBase]:
+    """(the model's directory, or None for a model object; the tokenizer)."""
+    import torch
+
+    if isinstance(model, str | Path):
+        from areal.models.tokenizer import load_tokenizer
+        from areal.preflight import check_model_dir
+
+        check_model_dir(str(model))  # every problem of the directory at once (ConfigError)
+        return str(model), tokenizer or load_tokenizer(str(model))
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(
+            f"model must be a transformers causal LM (e.g. AutoModelForCausalLM."
+            f"from_pretrained(...)) or its directory; got {type(model).__name__}"
+        )
+    if tokenizer is None:
+        raise ValueError(
+            "a model object needs its tokenizer: build(model, tokenizer, ...) (or pass the "
+            "model's directory, which holds one)"
+        )
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the tokenizer has no chat template: every task renders its prompts with it; "
+            "set tokenizer.chat_template"
+        )
+    return None, tokenizer
+
+
+def _check_model_object(cfg: ExperimentConfig) -> None:
+    """What needs the model's files refuses a model object, saying what to give instead."""
+    if cfg.model.lora.enabled:
+        raise ValueError("model.lora needs the model's directory: pass its path as the model")
+    if cfg.ppo.kl_coef > 0 and not (cfg.ref_model.path or cfg.model.path):
+        raise ValueError(
+            "ppo.kl_coef > 0 loads the reference policy from a directory: set ref_model.path, "
+            "or pass the model's directory"
+        )
+    if cfg.ppo.adv_estimator == "gae" and not (cfg.critic.path or cfg.model.path):
+        raise ValueError(
+            "ppo.adv_estimator=gae loads the critic from a directory: set critic.path, or pass "
+            "the model's directory"
+        )
+
+
+@dataclass
+class _Episodes:
+    """What build's `task` becomes: the rows' task and its name, the tasks the reward
+    service takes as objects, and the workflow (None: rollout.workflow's)."""
+
+    task: Task
+    spec: str
+    tasks: dict[str, Task] = field(default_factory=dict)
+    workflow: Workflow | None = None
+
+
+def _episodes(task: Any, cfg: ExperimentConfig) -> _Episodes:
+    from areal.tasks import Task, load_task
+    from areal.workflow import as_workflow, is_workflow
+
+    if isinstance(task, str):
+        if task != cfg.dataset.type:  # its own options, checked as the config checks them
+            cfg.dataset = dataclasses.replace(cfg.dataset, type=task, options={})
+        return _Episodes(load_task(task), task)
+    if isinstance(task, Task):
+        if not task.grade_inline:  # graded in the reward pool: it must travel there
+            try:
+                pickle.dumps(task.is_correct)
+            except Exception as e:
+                raise ValueError(
+                    f"task {task.name!r}: its is_correct is graded in a pool process and must "
+                    f"be a module-level function ({e}); or set grade_inline=True (a cheap "
+                    "grader that cannot hang)"
+                ) from None
+        return _Episodes(task, task.name, {task.name: task})
+    if is_workflow(task):
+        workflow = as_workflow(task, cfg.rollout)
+        return _Episodes(load_task(cfg.dataset.type), cfg.dataset.type, workflow=workflow)
+    raise TypeError(
+        "task must be an areal.tasks.Task, a task's name (dataset.type), or a workflow (a "
+        f"Workflow subclass or instance, or an agent function); got {type(task).__name__}"
+    )
+
+
+def _rows(episodes: _Episodes, cfg: ExperimentConfig, tokenizer: Any) -> list[dict]:
+    """The task's rows, prompts tokenized with the chat template."""
+    from areal.data.dataset import task_rows, tokenize_rows
+
+    dataset = cfg.dataset
+    if episodes.task.options is None and dataset.options:
+        # The config's are its dataset.type's (arith's by default), not this task's.
+        dataset = copy.copy(dataset)
+        dataset.options = {}
+    rows = task_rows(episodes.task, episodes.spec, dataset, cfg.seed)
+    return tokenize_rows(rows, tokenizer, cfg.dataset.max_prompt_len)
+
+
+def _ready_dir(cfg: ExperimentConfig, resume_from: Checkpoint | None) -> None:
+    """The experiment directory of a fresh run (train.prepare_experiment made it ready for
+    run_inline already): another run there is refused, or moved aside with overwrite=true."""
+    from areal.run_dir import claim
+
+    exp = cfg.exp_dir
+    if resume_from is None and any((exp / n).exists() for n in ("metrics.jsonl", "checkpoints")):
+        claim(cfg)  # a different config: ConfigError; overwrite=true: moved aside
+        if cfg.resume:
+            raise ConfigError(
+                f"{exp} holds a run of this config: give a new trial_name=NAME or "
+                "overwrite=true; to resume it: python -m areal.train --config FILE "
+                "launcher.type=inline resume=true"
+            )
+    (exp / "logs").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(exp / "weights", ignore_errors=True)  # no version of another run
+    if not (exp / "config.yaml").exists():
+        save_config(cfg, exp / "config.yaml")
+
+
+def _add_engines(run: Run, model: Any, tokenizer: Any, resume_from: Checkpoint | None) -> None:
+    """rollout.n_servers engines, started, into run.engines (closed with the run)."""
+    import torch
+
+    from areal.rollout.engine import DecodeEngine
+
+    cfg, inf = run.cfg, run.cfg.inference
     lora = cfg.model.lora.enabled  # a LoRA checkpoint's model/ is the adapter: base + it
-    model_dir = str(resume_from.model_dir) if resume_from and not lora else cfg.model.path
-    engines = [
-        DecodeEngine.from_dir(
-            model_dir,
-            max_batch_size=inf.max_batch_size,
-            max_total_tokens=inf.max_total_tokens,
-            seed=cfg.seed + k,  # as launch.server_command gives server k
-            num_threads=max(1, inf.num_threads),
-            weight_version=resume_from.version if resume_from else 0,
-            dtype=getattr(torch, cfg.model.dtype),
-        ).start()
-        for k in range(cfg.rollout.n_servers)
-    ]
+    dtype = getattr(torch, cfg.model.dtype)
+    kwargs = dict(
+        max_batch_size=inf.max_batch_size,
+        max_total_tokens=inf.max_total_tokens,
+        num_threads=max(1, inf.num_threads),
+        weight_version=resume_from.version if resume_from else 0,
+    )
+    for k in range(cfg.rollout.n_servers):
+        seed = cfg.seed + k  # as launch.server_command gives server k
+        if isinstance(model, torch.nn.Module):  # a copy: the trainer updates the original
+            own = copy.deepcopy(model).to(dtype)
+            engine = DecodeEngine(own, tokenizer, seed=seed, **kwargs)
+        else:
+            model_dir = str(resume_from.model_dir) if resume_from and not lora else str(model)
+            engine = DecodeEngine.from_dir(model_dir, dtype=dtype, seed=seed, **kwargs)
+        run.engines.append(engine.start())
     if resume_from and lora:
-        for engine in engines:
+        for engine in run.engines:
             ok, message, _ = engine.update_weights(str(resume_from.model_dir))
             assert ok, message
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="inline-roles", daemon=True)
-    thread.start()
-    roles = _Roles(loop)
-    on_loop = functools.partial(asyncio.run_coroutine_threadsafe, loop=loop)
+
+
+def _make_trainer(run: Run, model: torch.nn.Module | None, tokenizer: Any) -> Trainer:
+    """The one trainer rank, on the caller's thread: over the model object given, or the
+    backend trainer.backend builds from model.path; its controller the roles' one."""
+    from areal.trainer.parallel import DataParallel
+    from areal.trainer.worker import make_trainer
+
+    backend = None
+    if model is not None:
+        from areal.trainer.optimizer import OptimizerSpec
+        from areal.trainer.torch_backend import TorchBackend
+
+        cfg = run.cfg
+        backend = TorchBackend(
+            model,
+            tokenizer=tokenizer,
+            optimizer=OptimizerSpec.for_policy(cfg),
+            dtype=cfg.model.dtype,
+            temperature=cfg.rollout.temperature,
+        )
+    roles = run.roles
+
+    def connect() -> BlockingRpc:
+        assert roles.controller_rpc is not None, "the roles start before the trainer"
+        return BlockingRpc(roles.controller_rpc, run.loop, lambda: roles.failure)
+
+    return make_trainer(run.cfg, DataParallel(), connect, backend=backend)
+
+
+def run_inline(cfg: ExperimentConfig, resume_from: Checkpoint | None = None) -> int:
+    """launcher.type=inline: build from the config (the experiment directory prepared by
+    train.prepare_experiment) and step to total_train_steps; the exit code, as a
+    launcher's run()."""
+    from areal.controller.failures import NO_PROGRESS_EXIT, NoProgress
+
     try:
-        on_loop(_start_roles(roles, cfg, engines, tokenizer, rows, resume_from)).result()
-        train(cfg, DataParallel(), lambda: BlockingRpc(roles.controller_rpc, roles))
+        with build(cfg.model.path, None, cfg.dataset.type, cfg, resume_from=resume_from) as run:
+            while run.version < cfg.total_train_steps:
+                run.step()
         return 0
     except NoProgress as e:
         print(e, file=sys.stderr, flush=True)
         return NO_PROGRESS_EXIT
-    finally:
-        if roles.stop is not None:
-            stopped: Future = on_loop(roles.stop())
-            stopped.result(timeout=60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
-        for engine in engines:
-            engine.shutdown()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from areal.config import ConfigError, DatasetConfig
 from areal.data.files import BadRecord, read_records
-from areal.tasks import load_task
+from areal.tasks import Task, load_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -28,8 +28,13 @@ _LOGGED = 10  # malformed rows logged one by one at most; the rest only counted
 
 def load_rows(dataset_cfg: DatasetConfig, seed: int) -> list[dict]:
     """The rows of dataset.type's task, each tagged with it ("task")."""
-    spec = dataset_cfg.type
-    task = load_task(spec)
+    return task_rows(load_task(dataset_cfg.type), dataset_cfg.type, dataset_cfg, seed)
+
+
+def task_rows(task: Task, spec: str, dataset_cfg: DatasetConfig, seed: int) -> list[dict]:
+    """The rows of `task` (made in code, or read from dataset.path), each tagged "task":
+    spec, the name the reward service grades them under (areal.build passes a Task object
+    and its name)."""
     task.options_of(dataset_cfg.options)  # a task of the user's: its options checked here
     if task.needs_path:
         if not dataset_cfg.path:

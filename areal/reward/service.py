@@ -26,6 +26,7 @@ import asyncio
 import importlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -50,8 +51,17 @@ def grade_one(task: str, response: str, answer: Any, options: dict) -> bool:
     return bool(load_task(task).is_correct(response, answer, **options))
 
 
+def grade_with(is_correct: Callable[..., bool], response: str, answer: Any, options: dict) -> bool:
+    """grade_one for a task handed in as an object (areal.build): the grader travels to the
+    pool process pickled (by reference: a module-level function), as no name loads it."""
+    return bool(is_correct(response, answer, **options))
+
+
 class RewardService:
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, tasks: dict[str, Task] | None = None):
+        """`tasks`: tasks given as objects (areal.build), by the name the rows carry; they
+        take precedence over the tasks load_task finds by that name."""
+        self.tasks = dict(tasks or {})
         self.timeout_s = cfg.timeout_s
         self.correct = cfg.correct
         self.wrong = cfg.wrong
@@ -72,7 +82,7 @@ class RewardService:
 
     async def grade(self, task: str, responses: list[str], answer: Any) -> list[float]:
         if task not in self.options:  # an unknown task fails the request (ConfigError)
-            grader = load_task(task)
+            grader = self._task(task)
             for module in grader.grader_imports:  # before the pool forks (on its first use)
                 importlib.import_module(module)
             self.options[task] = grader.grader_options(self.cfg)
@@ -91,8 +101,11 @@ class RewardService:
                 self.sandbox_mode,
             )
 
+    def _task(self, name: str) -> Task:
+        return self.tasks.get(name) or load_task(name)
+
     async def _grade(self, task: str, response: str, answer: Any) -> bool:
-        grader = load_task(task)
+        grader = self._task(task)
         self.counts["graded"] += 1
         if grader.screen is None:
             return bool(await self._grade_fully(grader, task, response, answer))
@@ -140,10 +153,12 @@ class RewardService:
         try:
             if grader.grade_inline:
                 return bool(grader.is_correct(response, answer, **self.options[task]))
+            args = (task, response, answer, self.options[task])
+            fn: Callable[..., bool] = grade_one
+            if task in self.tasks:  # no pool process can load it by name
+                fn, args = grade_with, (grader.is_correct, *args[1:])
             async with self.slots:
-                future = self.pool.schedule(
-                    grade_one, (task, response, answer, self.options[task]), timeout=self.timeout_s
-                )
+                future = self.pool.schedule(fn, args, timeout=self.timeout_s)
                 with self.grading.computing():
                     return await asyncio.wrap_future(future)
         except (FutureTimeout, TimeoutError):  # pebble killed that grading's process

@@ -1,7 +1,9 @@
 """The trainer worker: batch in, PPO update, weights out, one line of metrics.
 
-One loop, the same on every rank of the trainer world (`train`); what only global rank 0
-does in it (`dp.is_main`) talks to the controller and writes files:
+One loop, the same on every rank of the trainer world (`train`: `Trainer.step` up to
+total_train_steps, over the objects `make_trainer` builds; areal.build's `Run.step` is the
+same step, in your loop); what only global rank 0 does in it (`dp.is_main`) talks to the
+controller and writes files:
 
     step: version i -> i+1, on every rank
       get_batch(i): rank 0 asks the controller --broadcast--> every other rank
@@ -33,6 +35,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,7 +46,7 @@ from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_
 from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
-from areal.cores import role_cores
+from areal.cores import Cores, role_cores
 from areal.data_plane import Puller
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.broadcast import WeightBroadcaster
@@ -173,7 +176,7 @@ def run_trainer(cfg: ExperimentConfig, key: bytes, index: int = 0) -> None:
         return SyncRpcClient(address, key)
 
     try:
-        train(cfg, dp, connect, key)
+        train(make_trainer(cfg, dp, connect, key))
     finally:
         dp.close()
 
@@ -226,71 +229,112 @@ def batch_line(version: int, trajs: list[Trajectory | TrajectoryRef], stale: lis
     }
 
 
-def train(
+@dataclass
+class Trainer:
+    """One trainer rank's built objects and the step they take together (the module doc's
+    loop body). `cfg` gives settings only (the step's arguments, where weights go, when to
+    save); the model, its optimizer and the controller are the objects passed in."""
+
+    cfg: ExperimentConfig
+    backend: TrainerBackend
+    dp: DataParallel
+    controller: SyncRpcClient | None  # global rank 0's; None on the other ranks
+    cores: Cores
+    puller: Puller
+    ref: TrainerBackend | None = None  # the frozen reference policy (ppo.kl_coef > 0)
+    critic: TorchCritic | None = None  # the value model (ppo.adv_estimator=gae)
+    version: int = 0  # completed trainer updates: the weights this rank holds
+    metrics: _Metrics | None = None  # global rank 0's metrics.jsonl and batches.jsonl
+    broadcaster: WeightBroadcaster | None = None  # weights.transport=distributed, rank 0
+    t_saved: float = field(default_factory=time.time)
+
+    def step(self) -> dict[str, float]:
+        """One step, version i -> i+1: batch, train_step, publish, metrics, maybe a
+        checkpoint. Returns the step's metrics line (global rank 0; elsewhere its stats)."""
+        cfg, dp, version = self.cfg, self.dp, self.version
+        self.cores.wait()  # lends its cores to the servers until its batch comes
+        reply = _get_batch(self.controller, version, dp)
+        self.cores.work()
+        trajs, received = batch_trajectories(cfg, reply, version, dp, self.puller)
+        t_batch = time.time()
+        stats = train_step(
+            self.backend, trajs, dp=dp, ref=self.ref, critic=self.critic,
+            **_step_args(cfg, version),
+        )  # fmt: skip
+        stats.update(received)
+        t_train = time.time() - t_batch
+        stats["time/train_threads"] = self.cores.threads_mean()
+        stale = staleness(trajs, version)
+        self.version = version = version + 1  # this rank holds the weights of the new version
+        publish_weights(cfg, self.backend, self.controller, version, dp, self.broadcaster)
+        if self.broadcaster is not None:
+            stats.update(self.broadcaster.stats)
+        if self.metrics is not None:  # global rank 0
+            rolelog.set_context(version=version)
+            log.info("trained in %.2fs, published version %d", t_train, version)
+            stats = self.metrics.write(
+                version, trajs, stale, stats, reply["stats"], t_batch, t_train
+            )
+        if save_due(cfg, version, self.t_saved, dp):
+            save_checkpoint(cfg, self.backend, self.controller, version, dp, self.critic)
+            self.t_saved = time.time()
+        return stats
+
+    def close(self) -> None:
+        """After the last step, on every rank (rank 0 may still be writing a checkpoint)."""
+        self.dp.barrier()
+        self.puller.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.controller is not None:
+            self.controller.close()
+        if self.broadcaster is not None:
+            self.broadcaster.close()
+
+
+def make_trainer(
     cfg: ExperimentConfig,
     dp: DataParallel,
     connect: Callable[[], SyncRpcClient],
     key: bytes = b"",
-) -> None:
-    """The loop of one rank; global rank 0 reaches the controller through connect() (an
-    RPC client, or areal/inline.py's in-process stand-in); `key` signs the pulls from the
-    holders (the pull data plane)."""
+    backend: TrainerBackend | None = None,
+) -> Trainer:
+    """One rank's Trainer: the backend given (a model object, areal.build), or the one
+    trainer.backend builds from model.path (resumed from the latest checkpoint with
+    cfg.resume); global rank 0 reaches the controller through connect() (an RPC client, or
+    areal/inline.py's in-process stand-in); `key` signs the pulls from the holders."""
     torch.manual_seed(cfg.seed)
     cores = role_cores(cfg.trainer.num_threads)
     # Every rank loads the same weights and optimizer state, so that identical summed
     # gradients keep them identical; rank 0 alone writes them back.
     resume_from = latest(cfg.exp_dir) if cfg.resume else None
     model_dir = resume_from.model_dir if resume_from else cfg.model.path
-    backend, dp = make_backend(cfg, model_dir, dp)
+    if backend is None:
+        backend, dp = make_backend(cfg, model_dir, dp)
+    elif resume_from is not None:
+        raise ValueError("a run resumes from its checkpoint's weights, not a model object")
+    trainer = Trainer(cfg, backend, dp, None, cores, Puller(key, cfg.exp_dir / "logs"))
     # The reference policy stays the initial weights, a resumed run's too.
-    ref = make_reference(cfg, dp) if cfg.ppo.kl_coef > 0 else None
+    trainer.ref = make_reference(cfg, dp) if cfg.ppo.kl_coef > 0 else None
     # PPO with a critic: the value model and its optimizer (a resume restores both below).
-    critic = make_critic(cfg, dp) if cfg.ppo.adv_estimator == "gae" else None
+    trainer.critic = make_critic(cfg, dp) if cfg.ppo.adv_estimator == "gae" else None
     cores.follow(backend.model)  # borrows idle servers' cores layer by layer
-    version = 0  # completed trainer updates: the weights this rank holds
     if resume_from:
-        load_trainer_part(backend, resume_from.path, critic)
-        version = resume_from.version
-    controller, metrics = None, None
-    puller = Puller(key, cfg.exp_dir / "logs")
-    broadcaster = None
+        load_trainer_part(backend, resume_from.path, trainer.critic)
+        trainer.version = resume_from.version
     if dp.is_main:
-        controller = connect()
-        metrics = _Metrics(cfg.exp_dir, dp)
+        trainer.controller = connect()
+        trainer.metrics = _Metrics(cfg.exp_dir, dp)
         if cfg.weights.transport == "distributed":
-            broadcaster = WeightBroadcaster(cfg, model_dir, version)
-    t_saved = time.time()
-    while version < cfg.total_train_steps:
-        cores.wait()  # lends its cores to the servers until its batch comes
-        reply = _get_batch(controller, version, dp)
-        cores.work()
-        trajs, received = batch_trajectories(cfg, reply, version, dp, puller)
-        t_batch = time.time()
-        stats = train_step(
-            backend, trajs, dp=dp, ref=ref, critic=critic, **_step_args(cfg, version)
-        )
-        stats.update(received)
-        t_train = time.time() - t_batch
-        stats["time/train_threads"] = cores.threads_mean()
-        stale = staleness(trajs, version)
-        version += 1  # the step is done: this rank holds the weights of the new version
-        publish_weights(cfg, backend, controller, version, dp, broadcaster)
-        if broadcaster is not None:
-            stats.update(broadcaster.stats)
-        if dp.is_main:
-            rolelog.set_context(version=version)
-            log.info("trained in %.2fs, published version %d", t_train, version)
-            metrics.write(version, trajs, stale, stats, reply["stats"], t_batch, t_train)
-        if save_due(cfg, version, t_saved, dp):
-            save_checkpoint(cfg, backend, controller, version, dp, critic)
-            t_saved = time.time()
-    dp.barrier()  # rank 0 may still be writing the last checkpoint
-    puller.close()
-    if dp.is_main:
-        metrics.close()
-        controller.close()
-        if broadcaster is not None:
-            broadcaster.close()
+            trainer.broadcaster = WeightBroadcaster(cfg, model_dir, trainer.version)
+    return trainer
+
+
+def train(trainer: Trainer) -> None:
+    """The loop of one rank: steps up to total_train_steps, then close."""
+    while trainer.version < trainer.cfg.total_train_steps:
+        trainer.step()
+    trainer.close()
 
 
 class _Metrics:
@@ -313,8 +357,8 @@ class _Metrics:
         batch_stats: dict,
         t_batch: float,
         t_train: float,
-    ) -> None:
-        """The line of the step that made `version`."""
+    ) -> dict[str, float]:
+        """Writes and returns the line of the step that made `version`."""
         now = time.time()
         record = {
             "step": version,
@@ -335,6 +379,7 @@ class _Metrics:
         self.batches.flush()  # before metrics: a reader that sees a step finds its batch
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
+        return record
 
     def close(self) -> None:
         self.metrics.close()

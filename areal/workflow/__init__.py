@@ -22,7 +22,14 @@ from areal.workflow.api import EpisodeError, EpisodeRunner, RolloutEngine, Workf
 if TYPE_CHECKING:
     from areal.config import RolloutConfig
 
-__all__ = ["EpisodeError", "EpisodeRunner", "RolloutEngine", "Workflow", "load_workflow"]
+__all__ = [
+    "EpisodeError",
+    "EpisodeRunner",
+    "RolloutEngine",
+    "Workflow",
+    "as_workflow",
+    "load_workflow",
+]
 
 
 def resolve(spec: str) -> Any:
@@ -32,7 +39,24 @@ def resolve(spec: str) -> Any:
 
 def load_workflow(spec: str, rollout_cfg: RolloutConfig | None = None) -> Workflow:
     """The workflow rollout.workflow names (agents need rollout_cfg: turns, discount, mode)."""
-    obj = resolve(spec)
+    return as_workflow(resolve(spec), rollout_cfg, f"rollout.workflow={spec!r} names")
+
+
+def is_workflow(obj: Any) -> bool:
+    """`obj` is what as_workflow takes: a Workflow subclass or instance, or an agent."""
+    return (
+        (inspect.isclass(obj) and issubclass(obj, Workflow))
+        or isinstance(obj, Workflow)
+        or inspect.iscoroutinefunction(obj)
+        or inspect.isfunction(obj)
+    )
+
+
+def as_workflow(
+    obj: Any, rollout_cfg: RolloutConfig | None = None, what: str = "the episode is"
+) -> Workflow:
+    """A Workflow from a subclass (made without arguments), an instance, or an agent
+    function (areal.build takes these objects; load_workflow the name of one)."""
     if inspect.isclass(obj) and issubclass(obj, Workflow):
         return obj()
     if isinstance(obj, Workflow):
@@ -42,7 +66,7 @@ def load_workflow(spec: str, rollout_cfg: RolloutConfig | None = None) -> Workfl
 
         return AgentWorkflow(obj, rollout_cfg)
     raise ValueError(
-        f"rollout.workflow={spec!r} names {obj!r:.80}, which is neither a workflow (a subclass "
+        f"{what} {obj!r:.80}, which is neither a workflow (a subclass "
         "of areal.workflow.Workflow with async arun_episode(engine, data), or an instance of "
         "one) nor an agent (async def run(data, client), or a plain def run(data, client))"
     )

@@ -109,10 +109,12 @@ def test_every_command_and_flag_is_in_the_reference(site):
 
 def test_the_python_api_is_rendered_from_docstrings(site):
     text = _text((site / "reference/api/index.html").read_text())
+    from areal import inline
     from areal.trainer import ppo
     from areal.workflow import api
 
     for name, obj in [
+        ("build", inline.build),
         ("policy_loss", ppo.policy_loss),
         ("compute_advantages", ppo.compute_advantages),
         ("Workflow", api.Workflow),

@@ -207,6 +207,25 @@ def test_a_task_of_ones_own_is_graded_in_the_pool_with_its_options():
     assert counts == counts_of(graded=3)
 
 
+def test_a_task_given_as_an_object_is_graded_in_the_pool_under_its_own_name():
+    """areal.build's tasks: no name loads them, so the grader travels to the pool (pickled
+    by reference); the object takes precedence over a built-in task of the same name."""
+
+    async def go():
+        s = RewardService(
+            RewardConfig(n_workers=2, timeout_s=10.0, correct=5.0, wrong=-5.0, code_memory_mb=7),
+            {"arith": dataclasses.replace(SHOUT, name="arith")},
+        )
+        try:
+            return await s.grade("arith", ["HI!", "HI", "7"], "hi"), await s.stats()
+        finally:
+            s.close()
+
+    rewards, counts = asyncio.run(go())
+    assert rewards == [5.0, -5.0, -5.0]  # _shouted raises outside the pool: it ran there
+    assert counts == counts_of(graded=3)
+
+
 def _shouted_here(response: str, answer: str, suffix: str = "") -> bool:
     if os.getpid() != MAIN_PID:
         raise AssertionError("graded in the pool")
