@@ -519,6 +519,7 @@ _AREAL = dict(
     mask_truncated=False,
     dynamic_sampling=False,
     cispo_mask=False,
+    cispo_ratio="proximal",
     behav_imp_weight_mode="mask",
     behav_imp_weight_level="token",
 )
@@ -598,6 +599,8 @@ class PPOConfig(Section):
     """ppo (the clipped surrogate), cispo (clip(ratio) without gradient, times A times the log-prob) or sapo (a sigmoid gate of the ratio in place of the clip)."""  # noqa: E501
     cispo_mask: bool | None = None
     """loss=cispo: drop the gradient of tokens past the clip in their advantage's direction (A > 0 and u > 1 + eps_clip_higher, or A < 0 and u < 1 - eps_clip): MiniMax-M1's token mask M of its unified objective, PPO's trust region within CISPO."""  # noqa: E501
+    cispo_ratio: str | None = None
+    """loss=cispo: the ratio its clip bounds: proximal (u = pi_theta/pi_prox, the behaviour weight w = pi_prox/pi_behav outside the clip, as in every decoupled loss) or behaviour (w * u = pi_theta/pi_behav inside it: MiniMax-M1's r, whose clip then bounds a stale token's weight too)."""  # noqa: E501
     sapo_tau_pos: float | None = None
     """loss=sapo: the gate's temperature where A > 0 (the paper's 1.0; higher = sharper)."""
     sapo_tau_neg: float | None = None
@@ -683,6 +686,11 @@ class PPOConfig(Section):
         self._one_of("loss", ("ppo", "cispo", "sapo"))
         if self.cispo_mask and self.loss != "cispo":
             self._fail("cispo_mask", f"is CISPO's token mask; loss={self.loss} (use loss=cispo)")
+        self._one_of("cispo_ratio", ("proximal", "behaviour"))
+        if self.cispo_ratio == "behaviour" and self.loss != "cispo":
+            self._fail(
+                "cispo_ratio", f"is CISPO's clipped ratio; loss={self.loss} (use loss=cispo)"
+            )
         if self.loss == "sapo":
             if self.sapo_tau_pos is None or self.sapo_tau_neg is None:
                 self._fail(

@@ -22,6 +22,8 @@ and the M2PO mask):
     cispo: obj = w * sg[clip(u, 1 - eps_clip, 1 + eps_clip_higher)] * A * log pi_theta
            cispo_mask: sg[obj] where A > 0 and u > 1 + eps_clip_higher, or A < 0 and
            u < 1 - eps_clip (MiniMax-M1's token mask M)
+           cispo_ratio=behaviour: u becomes w * u = pi_theta/pi_behav (MiniMax-M1's r) and
+           w becomes 1: the clip bounds the behaviour weight too
     sapo:  obj = w * 4 / tau * sigmoid(tau * (u - 1)) * A,  tau = sapo_tau_pos if A > 0
                                             else sapo_tau_neg (the gate's slope is 1 at u = 1)
     loss  = agg(-obj) + kl_coef * agg(KL(theta || ref))  [kl_in=loss]  - entropy_coef * agg(H)
@@ -606,8 +608,11 @@ def policy_loss(
     truncated = None
     if cfg.behav_imp_weight_mode == "truncate":  # TIS: the level's weight, clamped
         behav_weight, truncated = _truncated_weight(log_w, valid, seq_lens, cfg)
+    weight = behav_weight
+    if cfg.loss == "cispo" and cfg.cispo_ratio == "behaviour":  # MiniMax-M1's r, w inside
+        ratio, weight = ratio * behav_weight, torch.ones_like(behav_weight)
     objective, clipped = _surrogate(ratio, advantages.to(logprobs.dtype), logprobs, valid, cfg)
-    per_token = -behav_weight * objective
+    per_token = -weight * objective
     per_token, kl = _regularised(per_token, logprobs, valid, cfg, ref_logprobs, entropy)
     loss = _aggregate(torch.where(valid, per_token, zero), seq_id, n_tok_seq, cfg, n_norm)
 

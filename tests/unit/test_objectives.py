@@ -106,6 +106,8 @@ def reference_loss(s, cfg: PPOConfig, theta: torch.Tensor, valid: torch.Tensor) 
                 if cfg.behav_imp_weight_floor is not None:
                     w = max(w, cfg.behav_imp_weight_floor)
             a = ad[t]
+            if cfg.loss == "cispo" and cfg.cispo_ratio == "behaviour":  # r = pi/pi_behav
+                ratio, w = ratio * w, 1.0
             clipped = torch.clamp(ratio, lo, hi)
             if cfg.loss == "ppo":
                 obj = torch.minimum(ratio * a, clipped * a)
@@ -237,6 +239,15 @@ KNOBS = {
     "cispo_recipe": dict(recipe="cispo"),
     "cispo_mask": dict(loss="cispo", cispo_mask=True, eps_clip=0.1, eps_clip_higher=0.1),
     "cispo_sequence": dict(loss="cispo", importance_sampling_level="sequence", eps_clip=0.01),
+    "cispo_behaviour": dict(
+        loss="cispo", cispo_ratio="behaviour", cispo_mask=True, eps_clip=0.1, eps_clip_higher=0.1
+    ),
+    "cispo_behaviour_tis": dict(
+        loss="cispo",
+        cispo_ratio="behaviour",
+        behav_imp_weight_mode="truncate",
+        behav_imp_weight_cap=1.2,
+    ),  # fmt: skip
     "everything": dict(
         c_clip=2.0,
         eps_clip_higher=0.3,
@@ -626,6 +637,8 @@ def test_lengths_default_to_max_new_tokens() -> None:
         (["ppo.behav_imp_weight_level=seq"], ["token, sequence, geometric"]),
         (["ppo.loss=sapo"], ["ppo.recipe=sapo sets them"]),
         (["ppo.cispo_mask=true"], ["CISPO's token mask", "use loss=cispo"]),
+        (["ppo.cispo_ratio=behaviour"], ["CISPO's clipped ratio", "use loss=cispo"]),
+        (["ppo.recipe=cispo", "ppo.cispo_ratio=prox"], ["cispo_ratio", "proximal"]),
         (["ppo.recipe=sapo", "ppo.sapo_tau_neg=0"], ["sapo_tau_neg"]),
         (["ppo.recipe=grpo", "rollout.group_size=1"], ["needs rollout.group_size >= 2"]),
         (["ppo.importance_sampling_level=seq"], ["token, sequence, sequence_token"]),
