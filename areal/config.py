@@ -1028,17 +1028,36 @@ class ExperimentConfig(Section):
                     "weights.transport=distributed (or set weights.delta=false)"
                 )
             return
-        why = None
+        if self.launcher.type == "inline":
+            raise ConfigError(
+                "weights.transport=distributed: launcher.type=inline runs the trainer and the "
+                "engine in one process; use weights.transport=disk"
+            )
         if self.model.lora.enabled:
-            why = "a LoRA run hands off its adapter through disk (the adapter alone is small)"
-        elif self.launcher.type == "inline":
-            why = "launcher.type=inline runs the trainer and the engine in one process"
-        if why:
-            raise ConfigError(f"weights.transport=distributed: {why}; use weights.transport=disk")
+            self._check_lora_weights()
         if self.weights.delta and self.inference.backend != "embedded":
             raise ConfigError(
                 "weights.delta needs inference.backend=embedded (SGLang's servers take whole "
                 "tensors only); set weights.delta=false"
+            )
+
+    def _check_lora_weights(self) -> None:
+        """model.lora with weights.transport=distributed: the adapter's tensors go over the
+        group to embedded servers, which merge them (load_format "lora")."""
+        if self.inference.backend != "embedded":
+            # vLLM's and SGLang's servers serve an adapter unmerged, loaded by path; neither
+            # takes adapter tensors over a weight-update group (SGLang's
+            # /load_lora_adapter_from_tensors takes pickled tensors from the same host).
+            raise ConfigError(
+                f"model.lora with weights.transport=distributed needs "
+                f"inference.backend=embedded: {self.inference.backend}'s servers load each "
+                "adapter by path; use weights.transport=disk (an adapter is small)"
+            )
+        if self.weights.delta:
+            raise ConfigError(
+                "weights.delta with model.lora: every entry of a float32 adapter changes at "
+                "every step, so a delta would be the whole adapter; set weights.delta=false "
+                "(the adapter alone is what is sent)"
             )
 
     def _check_critic(self) -> None:
