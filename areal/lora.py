@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +168,23 @@ def layer_of(name: str) -> str:
         if name.startswith(_PREFIX) and name.endswith(suffix):
             return name[len(_PREFIX) : -len(suffix)]
     return name
+
+
+def merged_cost(
+    named: Iterable[tuple[str, torch.Tensor]], itemsize: int
+) -> Callable[[str, torch.Tensor], int]:
+    """weight_group.buckets()' cost of adapter tensors (PEFT's names, a layer's A before its
+    B): the bytes of the weight the layer's merge makes (out x in x itemsize, the server's
+    dtype), counted on A, 0 on B; a server holds a bucket's merged weights beside its own,
+    and those, not the adapter's few bytes, are what bucket_mb bounds."""
+    tensors = dict(named)
+
+    def cost(name: str, t: torch.Tensor) -> int:  # A: [r, in], its B: [out, r]
+        if not name.endswith(".lora_A.weight"):
+            return 0
+        return tensors[name.replace(".lora_A.", ".lora_B.")].shape[0] * t.shape[1] * itemsize
+
+    return cost
 
 
 def write_adapter(out: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:

@@ -38,7 +38,7 @@ from areal import weight_group
 from areal.comm.net import advertised_host, free_port
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
-from areal.lora import adapter_leaves, layer_of, peft_config, write_adapter
+from areal.lora import adapter_leaves, layer_of, merged_cost, peft_config, write_adapter
 from areal.rollout.sglang_api import DELTA, LORA
 from areal.trainer.backends.torch import lora_spec
 from areal.weights import publish, version_dir, write_tensors
@@ -75,6 +75,11 @@ class WeightBroadcaster:
         dtype = torch.float32 if self.lora else self.dtype
         return [(n, t.detach().to(self.device, dtype).contiguous()) for n, t in named]
 
+    def _lora_bucketing(self, named: list[tuple[str, torch.Tensor]]) -> tuple:
+        """buckets()' unit and cost with model.lora (areal/lora.py's merged_cost: a bucket
+        counts the server's weights it changes, which the server holds merged)."""
+        return () if self.lora is None else (layer_of, merged_cost(named, self.dtype.itemsize))
+
     def _lora_config(self, named: list[tuple[str, torch.Tensor]]) -> dict | None:
         """model.lora: how a server applies the adapter (PEFT's fields, on the wire)."""
         if self.lora is None:
@@ -93,8 +98,7 @@ class WeightBroadcaster:
         on_disk = version % self.cfg.weights.disk_every == 0
         if on_disk:
             self._to_disk(version, named)
-        unit = layer_of if self.lora else None  # a LoRA layer's A and B in one bucket
-        full = list(weight_group.buckets(named, self.bucket_bytes, unit))
+        full = list(weight_group.buckets(named, self.bucket_bytes, *self._lora_bucketing(named)))
         delta = self._delta(named)
         group = controller.call(
             "weights_ready",

@@ -21,7 +21,7 @@ import torch
 
 from areal import weight_group as wg
 from areal.comm.net import free_port
-from areal.lora import adapter_leaves, layer_of, read_adapter
+from areal.lora import adapter_leaves, layer_of, merged_cost, read_adapter
 from areal.rollout.engine import DecodeEngine
 from areal.rollout.sglang_api import LORA
 from tests.unit.test_lora import SEQS, SPEC, _step, make_backend
@@ -152,3 +152,18 @@ def test_an_adapter_over_the_group_is_served_as_the_same_adapter_from_disk(model
         by_group.shutdown()
         from_disk.shutdown()
         proc.join(10)
+
+
+def test_a_lora_bucket_counts_the_weights_its_merge_makes():
+    """bucket_mb bounds what a server holds while it applies a bucket: the merged weights
+    (out x in, the server's dtype), not the adapter's few bytes; A and B never split."""
+    named = []
+    for i in range(6):
+        layer = f"base_model.model.model.layers.{i}.mlp.up_proj"
+        named += [(f"{layer}.lora_A.weight", torch.zeros(4, 64)),
+                  (f"{layer}.lora_B.weight", torch.zeros(128, 4))]  # fmt: skip
+    merged = 128 * 64 * 2  # one layer's bf16 weight
+    for budget, per_bucket in ((merged, 1), (2 * merged, 2), (3 * merged + 1, 3)):
+        got = list(wg.buckets(named, budget, layer_of, merged_cost(named, 2)))
+        assert [len(b) for b in got] == [2 * per_bucket] * (6 // per_bucket), (budget, got)
+        assert all(layer_of(b[0][0]) == layer_of(b[1][0]) for b in got)
