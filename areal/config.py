@@ -77,7 +77,7 @@ class LoRAConfig(Section):
     _section: ClassVar[str] = "model.lora"
 
     rank: int = 0
-    """LoRA rank r; 0 (or `lora: null`) = full fine-tuning. With r > 0 the trainer trains only low-rank adapters on a frozen base, and each version hands off the adapter alone (areal/lora.py)."""  # noqa: E501
+    """LoRA rank r; 0 (or `lora: null`) = full fine-tuning. With r > 0 the trainer trains only low-rank adapters on a frozen base, and each version hands off the adapter alone (areal/lora.py): through disk, or with weights.transport=distributed over the weight-update group to embedded servers."""  # noqa: E501
     alpha: float = 32.0
     """Scale numerator: the update is (alpha / rank) B A."""
     dropout: float = 0.0
@@ -296,13 +296,13 @@ class WeightsConfig(Section):
     _section: ClassVar[str] = "weights"
 
     transport: str = "disk"
-    """How a new version reaches the inference servers: disk (the paper's: the trainer writes weights/vN/ and each server loads it) or distributed (the trainer broadcasts the tensors to the servers over a weight-update group, SGLang's /update_weights_from_distributed: gloo on CPUs, NCCL on GPUs; the embedded server and SGLang through SGLang's routes, vLLM through areal's worker extension)."""  # noqa: E501
+    """How a new version reaches the inference servers: disk (the paper's: the trainer writes weights/vN/ and each server loads it) or distributed (the trainer broadcasts the tensors to the servers over a weight-update group, SGLang's /update_weights_from_distributed: gloo on CPUs, NCCL on GPUs; the embedded server and SGLang through SGLang's routes, vLLM through areal's worker extension). With model.lora the adapter's tensors alone go (embedded servers only: they merge them as they merge an adapter directory; vLLM and SGLang load adapters by path, so use disk there)."""  # noqa: E501
     disk_every: int = 1
     """With transport=distributed: also write every this-many-th version to weights/vN/, in the background (a server that restarts or misses a broadcast loads the newest one from there); checkpoints always hold their weights."""  # noqa: E501
     bucket_mb: float = 512.0
     """With transport=distributed: tensors per update request, in MiB (a server holds one bucket beside its weights while it receives)."""  # noqa: E501
     delta: bool = False
-    """With transport=distributed: send only what changed since the version every server of the group holds (each tensor's changed entries, their positions and a checksum of the result; whole where that is smaller), whole tensors to a new group. The trainer keeps a copy of the last version sent. Pays off for bf16 weights at RL learning rates (most entries round to the same bf16 value step to step); embedded servers only."""  # noqa: E501
+    """With transport=distributed: send only what changed since the version every server of the group holds (each tensor's changed entries, their positions and a checksum of the result; whole where that is smaller), whole tensors to a new group. The trainer keeps a copy of the last version sent. Pays off for bf16 weights at RL learning rates (most entries round to the same bf16 value step to step); embedded servers only, and not with model.lora (every entry of a float32 adapter changes every step)."""  # noqa: E501
     timeout_s: float = 120.0
     """With transport=distributed: seconds a rank waits for the others to join the group or for one broadcast before the update fails (the servers that missed it load the newest version from disk; the next update forms a new group)."""  # noqa: E501
 
@@ -1036,17 +1036,36 @@ class ExperimentConfig(Section):
                     "weights.transport=distributed (or set weights.delta=false)"
                 )
             return
-        why = None
+        if self.launcher.type == "inline":
+            raise ConfigError(
+                "weights.transport=distributed: launcher.type=inline runs the trainer and the "
+                "engine in one process; use weights.transport=disk"
+            )
         if self.model.lora.enabled:
-            why = "a LoRA run hands off its adapter through disk (the adapter alone is small)"
-        elif self.launcher.type == "inline":
-            why = "launcher.type=inline runs the trainer and the engine in one process"
-        if why:
-            raise ConfigError(f"weights.transport=distributed: {why}; use weights.transport=disk")
+            self._check_lora_weights()
         if self.weights.delta and self.inference.backend != "embedded":
             raise ConfigError(
                 "weights.delta needs inference.backend=embedded (SGLang's servers take whole "
                 "tensors only); set weights.delta=false"
+            )
+
+    def _check_lora_weights(self) -> None:
+        """model.lora with weights.transport=distributed: the adapter's tensors go over the
+        group to embedded servers, which merge them (load_format "lora")."""
+        if self.inference.backend != "embedded":
+            # vLLM's and SGLang's servers serve an adapter unmerged, loaded by path; neither
+            # takes adapter tensors over a weight-update group (SGLang's
+            # /load_lora_adapter_from_tensors takes pickled tensors from the same host).
+            raise ConfigError(
+                f"model.lora with weights.transport=distributed needs "
+                f"inference.backend=embedded: {self.inference.backend}'s servers load each "
+                "adapter by path; use weights.transport=disk (an adapter is small)"
+            )
+        if self.weights.delta:
+            raise ConfigError(
+                "weights.delta with model.lora: every entry of a float32 adapter changes at "
+                "every step, so a delta would be the whole adapter; set weights.delta=false "
+                "(the adapter alone is what is sent)"
             )
 
     def _check_critic(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,21 +136,17 @@ def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor
             layer.lora_B.copy_(tensors[f"{_PREFIX}{name}.lora_B.weight"])
 
 
-def save_adapter(
-    model: torch.nn.Module, out: str | Path, spec: LoRASpec, base_model: str = ""
-) -> None:
-    """out/adapter_model.safetensors + out/adapter_config.json, in PEFT's format."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    leaves = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(model)})
-    config = {
+def peft_config(spec: LoRASpec, leaves: list[str], base_model: str = "") -> dict:
+    """adapter_config.json of an adapter of `spec` on the layers named `leaves` (PEFT's)."""
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": str(base_model),
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": leaves,  # explicit names: vLLM and SGLang do not read "all-linear"
+        # Explicit names: vLLM and SGLang do not read "all-linear".
+        "target_modules": sorted(leaves),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -157,8 +154,53 @@ def save_adapter(
         "modules_to_save": None,
         "inference_mode": True,
     }
-    save_file(adapter_tensors(model), out / ADAPTER_WEIGHTS)
+
+
+def adapter_leaves(names: Iterable[str]) -> list[str]:
+    """The last names of the layers that adapter tensor names (PEFT's) change: q_proj, ..."""
+    return sorted({layer_of(n).rsplit(".", 1)[-1] for n in names})
+
+
+def layer_of(name: str) -> str:
+    """The layer of an adapter tensor's PEFT name (base_model.model.<layer>.lora_A.weight),
+    or the name itself when it is none."""
+    for suffix in (".lora_A.weight", ".lora_B.weight"):
+        if name.startswith(_PREFIX) and name.endswith(suffix):
+            return name[len(_PREFIX) : -len(suffix)]
+    return name
+
+
+def merged_cost(
+    named: Iterable[tuple[str, torch.Tensor]], itemsize: int
+) -> Callable[[str, torch.Tensor], int]:
+    """weight_group.buckets()' cost of adapter tensors (PEFT's names, a layer's A before its
+    B): the bytes of the weight the layer's merge makes (out x in x itemsize, the server's
+    dtype), counted on A, 0 on B; a server holds a bucket's merged weights beside its own,
+    and those, not the adapter's few bytes, are what bucket_mb bounds."""
+    tensors = dict(named)
+
+    def cost(name: str, t: torch.Tensor) -> int:  # A: [r, in], its B: [out, r]
+        if not name.endswith(".lora_A.weight"):
+            return 0
+        return tensors[name.replace(".lora_A.", ".lora_B.")].shape[0] * t.shape[1] * itemsize
+
+    return cost
+
+
+def write_adapter(out: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """out/adapter_model.safetensors + out/adapter_config.json (PEFT's format)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / ADAPTER_WEIGHTS)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+
+
+def save_adapter(
+    model: torch.nn.Module, out: str | Path, spec: LoRASpec, base_model: str = ""
+) -> None:
+    """out/adapter_model.safetensors + out/adapter_config.json, in PEFT's format."""
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in lora_layers(model)})
+    write_adapter(out, adapter_tensors(model), peft_config(spec, leaves, base_model))
 
 
 def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -176,22 +218,63 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def adapter_layers(path: str | Path) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(alpha / r, {"<layer>.weight": (A, B)}) of an adapter directory."""
     config, tensors = read_adapter(path)
+    return layers_of(config, tensors)
+
+
+def layers_of(
+    config: dict, tensors: dict[str, torch.Tensor]
+) -> tuple[float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(alpha / r, {"<layer>.weight": (A, B)}) of an adapter's config (PEFT's r and
+    lora_alpha) and tensors (PEFT's names). ValueError when a layer lacks A or B."""
     scale = float(config["lora_alpha"]) / int(config["r"])
     layers = {}
     for key, a in tensors.items():
         if key.endswith(".lora_A.weight"):
-            layer = key[len(_PREFIX) : -len(".lora_A.weight")]
-            layers[f"{layer}.weight"] = (a, tensors[key.replace(".lora_A.", ".lora_B.")])
+            b_key = key.replace(".lora_A.", ".lora_B.")
+            if b_key not in tensors:
+                raise ValueError(f"the adapter has {key} without {b_key}")
+            layers[f"{layer_of(key)}.weight"] = (a, tensors[b_key])
+    unpaired = [k for k in tensors if k.endswith(".lora_B.weight")
+                and k.replace(".lora_B.", ".lora_A.") not in tensors]  # fmt: skip
+    if unpaired:
+        raise ValueError(f"the adapter has {unpaired[0]} without its lora_A")
     return scale, layers
 
 
-def merged_weights(
-    base: dict[str, torch.Tensor], adapter_dir: str | Path
+def check_wire_config(config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """ValueError unless config (an adapter's r, lora_alpha and target_modules, as an update
+    request carries them) fits the adapter tensors received: PEFT's names, rank r, layers
+    of the target modules only."""
+    r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"lora_config.r must be an integer >= 1, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise ValueError(f"lora_config.lora_alpha must be a number, got {alpha!r}")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"lora_config.target_modules must be a list of names, got {targets!r}")
+    for name, t in tensors.items():
+        layer = layer_of(name)
+        if layer == name:
+            raise ValueError(
+                f"{name} is not an adapter tensor ({_PREFIX}<layer>.lora_A.weight or "
+                ".lora_B.weight)"
+            )
+        if layer.rsplit(".", 1)[-1] not in targets:
+            raise ValueError(f"{name} changes a layer outside target_modules {targets}")
+        rank = t.shape[0] if name.endswith(".lora_A.weight") else t.shape[-1]
+        if t.dim() != 2 or rank != r:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, not one of rank r={r}")
+
+
+def merge_layers(
+    base: dict[str, torch.Tensor],
+    scale: float,
+    layers: dict[str, tuple[torch.Tensor, torch.Tensor]],
 ) -> dict[str, torch.Tensor]:
-    """The weights base + adapter changes (only those): W + (alpha / r) B A, computed in
+    """The weights base + the layers' changes (only those): W + scale B A, computed in
     float32 and returned in W's dtype. ValueError naming a layer the base lacks or whose
-    shape differs."""
-    scale, layers = adapter_layers(adapter_dir)
+    shape differs. One function for an adapter from disk and from a weight-update group,
+    so that both give the same bits."""
     out = {}
     for name, (a, b) in layers.items():
         if name not in base:
@@ -203,6 +286,13 @@ def merged_weights(
         a, b = a.to(w.device, torch.float32), b.to(w.device, torch.float32)
         out[name] = torch.addmm(w.float(), b, a, alpha=scale).to(w.dtype)
     return out
+
+
+def merged_weights(
+    base: dict[str, torch.Tensor], adapter_dir: str | Path
+) -> dict[str, torch.Tensor]:
+    """merge_layers of an adapter directory."""
+    return merge_layers(base, *adapter_layers(adapter_dir))
 
 
 def merge_lora(model: torch.nn.Module) -> torch.nn.Module:

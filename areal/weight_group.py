@@ -34,7 +34,7 @@ between decode steps, checks the sum once, and undoes the bucket's deltas if one
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -150,15 +150,23 @@ def receive(
 
 
 def buckets(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    unit: Callable[[str], str] | None = None,
+    cost: Callable[[str, torch.Tensor], int] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive runs of tensors of about bucket_bytes each (a larger tensor alone); the
-    parts of one delta (name:gap8|gap16|bits, name:val, name:sum) stay in one bucket."""
+    parts of one delta (name:gap8|gap16|bits, name:val, name:sum) stay in one bucket, and
+    so do consecutive tensors of one unit(name) (a LoRA layer's A and B: areal/lora.py's
+    layer_of, so that a server merges each bucket alone). cost(name, tensor): the bytes a
+    tensor counts for (default its own: a LoRA bucket counts the weights it changes, which
+    the server holds merged beside its own)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size, last = 0, None
     for name, t in named:
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size() if cost is None else cost(name, t)
         base = name.rpartition(":")[0] or name
+        base = unit(base) if unit is not None else base
         if bucket and size + nbytes > bucket_bytes and base != last:
             yield bucket
             bucket, size = [], 0

@@ -356,6 +356,7 @@ class Controller:
                     "group": group,
                     "buckets": sent["buckets"],
                     "load_format": sent.get("load_format"),
+                    "lora_config": broadcast.get("lora_config"),  # how to apply an adapter
                     "path": broadcast["path"],
                 }
             await self.pool.update_weights(version, path, disk_version, broadcast)

@@ -139,11 +139,13 @@ class SGLangClient(HttpClient):
         abort_all_requests: bool = False,
         load_format: str | None = None,
         flush_cache: bool = True,
+        lora_config: dict | None = None,
     ) -> dict[str, Any]:
         """Receive one bucket (names, dtypes, shapes) that rank 0 broadcasts meanwhile, one
         tensor at a time in the order of names; report weight_version once applied.
-        load_format "delta": the bucket holds deltas (areal/weight_group.py; the embedded
-        server only). RuntimeError with the server's message when it refuses the bucket
+        load_format "delta": the bucket holds deltas (areal/weight_group.py); "lora": LoRA
+        adapter tensors, applied as lora_config says (sglang_api.LORA); the embedded server
+        only. RuntimeError with the server's message when it refuses the bucket
         (then the model is unchanged) or the broadcast fails."""
         body = api.build_update_weights_from_distributed_request(
             names,
@@ -154,6 +156,7 @@ class SGLangClient(HttpClient):
             abort_all_requests,
             load_format,
             flush_cache,
+            lora_config,
         )
         return await self._weights_call(
             "/update_weights_from_distributed",

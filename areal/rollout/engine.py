@@ -65,14 +65,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal.cores import Cores
-from areal.lora import is_adapter_dir
+from areal.lora import adapter_layers, check_wire_config, is_adapter_dir, layers_of, merge_layers
 from areal.models.tokenizer import load_tokenizer
 from areal.rollout.activity import DecodeMeter
 from areal.rollout.generation import PAUSE_MODES, GenerationResult, Request, SamplingParams
 from areal.rollout.kv_cache import KVCache
 from areal.rollout.sampling import sample
-from areal.rollout.sglang_api import DELTA
-from areal.rollout.weight_loading import base_copy, load_adapter_merged, load_checked
+from areal.rollout.sglang_api import DELTA, LORA
+from areal.rollout.weight_loading import load_checked
 from areal.weight_group import (
     BACKENDS,
     Group,
@@ -310,9 +310,7 @@ class DecodeEngine:
         """
         try:
             if is_adapter_dir(model_path):
-                if self._lora_base is None:
-                    self._lora_base = base_copy(self.model, model_path)
-                tensors = load_adapter_merged(self.model, self._lora_base, model_path)
+                tensors = merge_layers(*self._lora_base_for(*adapter_layers(model_path)))
             else:
                 tensors = load_checked(self.model, model_path)
                 self._lora_base = None
@@ -332,6 +330,7 @@ class DecodeEngine:
         weight_version: int | None = None,
         abort_all_requests: bool = False,
         load_format: str | None = None,
+        lora_config: dict | None = None,
     ) -> tuple[bool, str]:
         """Receive one bucket of tensors from rank 0 of the group (one broadcast per name, in
         order), then apply it as update_weights() applies a directory (same waits, aborts
@@ -346,7 +345,10 @@ class DecodeEngine:
         load_format DELTA: deltas against the weights held now (weight_group.encode_delta),
         set entry by entry between decode steps and checked there by the checksum of the
         result; one that differs undoes the bucket's deltas and is refused (requests aborted
-        by abort_all_requests stay aborted).
+        by abort_all_requests stay aborted). load_format LORA: LoRA adapter tensors (PEFT's
+        names, every layer's A and B in the bucket), merged into the base kept apart as an
+        adapter directory is (update_weights), as lora_config (r, lora_alpha,
+        target_modules) says.
         """
         with self._groups_lock:
             entry = self._groups.get(group_name)
@@ -367,11 +369,10 @@ class DecodeEngine:
                 f"Failed to receive weights over group {group_name} (the group is now broken: "
                 f"destroy it and form a new one): {e}"
             )
-        if load_format == DELTA:  # what changed since the weights held now, checked
-            try:
-                tensors = decode_delta(self.model.state_dict(), tensors)
-            except ValueError as e:
-                return False, f"Failed to update weights over group {group_name}: {e}"
+        try:
+            tensors = self._decoded(tensors, load_format, lora_config)
+        except ValueError as e:
+            return False, f"Failed to update weights over group {group_name}: {e}"
         problems = _bucket_problems(self.model.state_dict(), tensors)
         if problems:
             return False, f"Failed to update weights over group {group_name}: {problems}"
@@ -381,8 +382,41 @@ class DecodeEngine:
             )
         except ValueError as e:  # a delta's checksum: the weights are as they were
             return False, f"Failed to update weights over group {group_name}: {e}"
-        self._lora_base = None  # whole tensors replace the base, as a directory's do
+        if load_format != LORA:
+            self._lora_base = None  # whole tensors replace the base, as a directory's do
         return True, _updated_message(weight_version)
+
+    def _decoded(
+        self, received: dict[str, torch.Tensor], load_format: str | None, lora_config: dict | None
+    ) -> dict[str, torch.Tensor | Patch]:
+        """A received bucket as the weights (or deltas) to apply; ValueError when it does
+        not fit the model or its load_format."""
+        if load_format == DELTA:  # what changed since the weights held now, checked
+            return decode_delta(self.model.state_dict(), received)
+        if load_format == LORA:
+            return self._adapter_merged(received, lora_config or {})
+        return received
+
+    def _adapter_merged(
+        self, received: dict[str, torch.Tensor], lora_config: dict
+    ) -> dict[str, torch.Tensor]:
+        """The weights that received adapter tensors change, merged into the base kept
+        apart (areal/lora.py's merge_layers, as for an adapter directory: the same bits)."""
+        check_wire_config(lora_config, received)
+        return merge_layers(*self._lora_base_for(*layers_of(lora_config, received)))
+
+    def _lora_base_for(self, scale: float, layers: dict) -> tuple[dict, float, dict]:
+        """merge_layers' arguments for an adapter's layers: the base weights kept apart
+        (merging into merged weights would add the updates up), copied from the model for
+        the layers no adapter changed yet (the first adapter, or a bucket's new layers: a
+        run's adapters all change the same layers)."""
+        state = self.model.state_dict()
+        if self._lora_base is None:
+            self._lora_base = {}
+        for name in layers:
+            if name in state and name not in self._lora_base:
+                self._lora_base[name] = state[name].detach().clone()
+        return self._lora_base, scale, layers
 
     def init_weights_update_group(
         self,

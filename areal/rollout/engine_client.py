@@ -134,6 +134,7 @@ class EngineClient:
         abort_all_requests: bool = False,
         load_format: str | None = None,
         flush_cache: bool = True,
+        lora_config: dict | None = None,
     ) -> dict[str, Any]:
         body = api.build_update_weights_from_distributed_request(
             names,
@@ -144,6 +145,7 @@ class EngineClient:
             abort_all_requests,
             load_format,
             flush_cache,
+            lora_config,
         )
         spec = self._parsed(api.parse_update_weights_from_distributed_body, body)
         result = await asyncio.to_thread(
@@ -155,6 +157,7 @@ class EngineClient:
             spec.weight_version,
             spec.abort_all_requests,
             spec.load_format,
+            spec.lora_config,
         )
         return self._answer(
             result, f"refused weights (version {weight_version}) over group {group_name}"

@@ -146,14 +146,17 @@ class WeightGroupClient(InferenceClient, Protocol):
         abort_all_requests: bool = False,
         load_format: str | None = None,
         flush_cache: bool = True,
+        lora_config: dict | None = None,
     ) -> dict[str, Any]:
         """Receive one bucket of a version (rank 0 broadcasts its tensors in the order of
         names, dtypes as torch's names: "bfloat16") and apply it; report weight_version from
         now on. A refused bucket changes nothing; a failed broadcast leaves the group broken
         (destroy it and form a new one). Usually between pause_generation and
         continue_generation, one call per bucket. load_format "delta": what changed since
-        the version the server holds (areal/weight_group.py's encode_delta). flush_cache:
-        the version's last bucket (a server may hold the others until it comes: vLLM)."""
+        the version the server holds (areal/weight_group.py's encode_delta); "lora": LoRA
+        adapter tensors, merged as lora_config says (r, lora_alpha, target_modules;
+        sglang_api.LORA). flush_cache: the version's last bucket (a server may hold the
+        others until it comes: vLLM)."""
         ...
 
     async def destroy_weights_update_group(

@@ -193,6 +193,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
             spec.weight_version,
             spec.abort_all_requests,
             spec.load_format,
+            spec.lora_config,
         )
     if not result[0]:
         logger.warning("refused a weight bucket: %s", result[1])

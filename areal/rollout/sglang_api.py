@@ -48,6 +48,15 @@ DELTA = "delta"
 """The load_format of a bucket of deltas (areal/weight_group.py's encode_delta): the
 embedded server's own; SGLang's servers take none."""
 
+LORA = "lora"
+"""The load_format of a bucket of LoRA adapter tensors (model.lora with
+weights.transport=distributed): PEFT's names (base_model.model.<layer>.lora_A.weight and
+.lora_B.weight, both of a layer in one bucket), and the request's lora_config says how to
+apply them (r, lora_alpha, target_modules: PEFT's adapter_config fields). The embedded
+server merges them into its base as it merges an adapter directory; SGLang's servers take
+none over a group (their /load_lora_adapter_from_tensors takes pickled tensors, not a
+broadcast)."""
+
 FLUSH_CACHE_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
     "waiting requests, the operation will not be performed.)\n"
@@ -178,13 +187,17 @@ def build_update_weights_from_distributed_request(
     abort_all_requests: bool = False,
     load_format: str | None = None,
     flush_cache: bool = True,
+    lora_config: dict | None = None,
 ) -> dict[str, Any]:
     """The /update_weights_from_distributed body of one bucket: rank 0 broadcasts its tensors
     in the order of names while the request waits; report weight_version once applied.
     load_format None is SGLang's (one broadcast per tensor); "delta" areal's deltas
-    (areal/weight_group.py), which only the embedded server takes. flush_cache: this bucket
+    (areal/weight_group.py) and "lora" adapter tensors (with lora_config: r, lora_alpha,
+    target_modules), which only the embedded server takes. flush_cache: this bucket
     completes the version (SGLang then empties its prefix cache; vLLM applies the version's
     buckets, which it holds until then)."""
+    if (load_format == LORA) != (lora_config is not None):
+        raise ValueError(f"lora_config goes with load_format {LORA!r}, and only with it")
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(
             f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, "
@@ -199,6 +212,7 @@ def build_update_weights_from_distributed_request(
         "abort_all_requests": abort_all_requests,
         "weight_version": format_weight_version(weight_version),
         "load_format": load_format,
+        **({} if lora_config is None else {"lora_config": dict(lora_config)}),
     }
 
 
@@ -487,7 +501,11 @@ class BucketSpec:
     """None keeps the current version."""
     abort_all_requests: bool
     load_format: str | None = None
-    """None: whole tensors; "delta": areal's deltas (areal/weight_group.py)."""
+    """None: whole tensors; "delta": areal's deltas (areal/weight_group.py); "lora": adapter
+    tensors (LORA)."""
+    lora_config: dict | None = None
+    """With load_format "lora": r, lora_alpha and target_modules (checked by the engine
+    against the tensors received)."""
 
 
 def parse_init_weights_group_body(body: dict) -> WeightsGroupSpec:
@@ -544,11 +562,20 @@ def parse_update_weights_from_distributed_body(body: dict) -> BucketSpec:
         ):
             raise BadRequest(f"the shape of {name} must be a list of sizes >= 0, got {shape!r}")
     load_format = body.get("load_format")
-    if load_format not in (None, DELTA):
+    if load_format not in (None, DELTA, LORA):
         raise BadRequest(
             f"load_format {load_format!r} is not supported by the embedded server; send null "
-            f"(SGLang's default: one broadcast per tensor, in the order of names) or {DELTA!r}"
-            " (areal's deltas)"
+            f"(SGLang's default: one broadcast per tensor, in the order of names), {DELTA!r}"
+            f" (areal's deltas) or {LORA!r} (LoRA adapter tensors, with lora_config)"
+        )
+    lora_config = body.get("lora_config")
+    if (load_format == LORA) != (lora_config is not None) or not isinstance(
+        lora_config, dict | None
+    ):
+        raise BadRequest(
+            f"lora_config (an object: r, lora_alpha, target_modules) goes with load_format "
+            f"{LORA!r}, and only with it; got load_format {load_format!r} and lora_config "
+            f"{lora_config!r}"
         )
     abort_all = _bool(body.get("abort_all_requests", False), "abort_all_requests")
     _bool(body.get("flush_cache", True), "flush_cache")  # no cache to flush, but check it
@@ -560,6 +587,7 @@ def parse_update_weights_from_distributed_body(body: dict) -> BucketSpec:
         weight_version=_optional_version(body.get("weight_version")),
         abort_all_requests=abort_all,
         load_format=load_format,
+        lora_config=lora_config,
     )
 
 

@@ -152,6 +152,7 @@ class VLLMClient(HttpClient):
         abort_all_requests: bool = False,
         load_format: str | None = None,
         flush_cache: bool = True,
+        lora_config: dict | None = None,
     ) -> dict[str, Any]:
         """Receive one bucket that rank 0 broadcasts meanwhile. The server holds the buckets
         of a version and loads them with the last one (flush_cache), then serves
@@ -159,7 +160,9 @@ class VLLMClient(HttpClient):
         the load runs between engine steps, and a request that spans it would mix versions.
         RuntimeError when the server refuses the version (nothing loaded) or the broadcast
         fails."""
-        if load_format is not None:
+        if load_format is not None or lora_config is not None:
+            # Adapters reach vLLM by path (/v1/load_lora_adapter): config.py refuses LoRA
+            # over the group with vLLM.
             raise ValueError(f"load_format {load_format!r}: vLLM's servers take whole tensors")
         if abort_all_requests:
             await self.abort_request(abort_all=True)

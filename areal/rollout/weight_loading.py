@@ -40,29 +40,3 @@ def load_checked(model: torch.nn.Module, model_path: str) -> dict[str, torch.Ten
     if problems:
         raise ValueError("; ".join(problems))
     return tensors
-
-
-def load_adapter_merged(
-    model: torch.nn.Module, base: dict[str, torch.Tensor], adapter_path: str
-) -> dict[str, torch.Tensor]:
-    """The weights that an adapter directory (areal/lora.py) changes, merged into `base`
-    (the model's weights before any adapter: W + (alpha / r) B A), checked against the model."""
-    from areal.lora import merged_weights
-
-    if not Path(adapter_path).is_dir():
-        raise ValueError(f"model_path {adapter_path} is not a directory")
-    tensors = merged_weights(base, adapter_path)
-    expected = model.state_dict()
-    for name, t in tensors.items():
-        assert t.shape == expected[name].shape, name  # merged_weights checked base's shapes
-    return tensors
-
-
-def base_copy(model: torch.nn.Module, adapter_path: str) -> dict[str, torch.Tensor]:
-    """Copies of the model's weights an adapter changes: the base that every later version
-    of the adapter is merged into (merging into merged weights would add the updates up)."""
-    from areal.lora import adapter_layers
-
-    state = model.state_dict()
-    names = [n for n in adapter_layers(adapter_path)[1] if n in state]
-    return {name: state[name].detach().clone() for name in names}

@@ -302,6 +302,9 @@ class RolloutWorker:
             async with self._held_for_update(deadline):
                 try:
                     last = len(broadcast["buckets"]) - 1
+                    # model.lora: the adapter's tensors, and how the server applies them.
+                    lora = broadcast.get("lora_config")
+                    extra = {} if lora is None else {"lora_config": lora}
                     for i, bucket in enumerate(broadcast["buckets"]):
                         await asyncio.wait_for(
                             self.client.update_weights_from_distributed(
@@ -310,6 +313,7 @@ class RolloutWorker:
                                 weight_version=version,
                                 load_format=broadcast["load_format"],
                                 flush_cache=i == last,
+                                **extra,
                             ),
                             deadline,
                         )

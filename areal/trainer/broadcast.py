@@ -16,6 +16,12 @@ next version is sent in a new group. Disk stays the source of truth for recovery
 that restarts loads the newest version there, then joins at the next broadcast.
 
 gloo unless the servers are SGLang's (NCCL between GPUs); the group's device follows.
+
+model.lora: a version is the adapter alone (backend.hf_tensors: PEFT's names, float32 as
+trained and as the adapter directory holds them), each layer's A and B in one bucket, sent
+with load_format "lora" and lora_config (r, lora_alpha, target_modules): the embedded
+server merges them into its base as it merges an adapter directory (the same bits). Its
+disk copies are adapter directories (PEFT's format), as with weights.transport=disk.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from areal import weight_group
 from areal.comm.net import advertised_host, free_port
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
-from areal.rollout.sglang_api import DELTA
+from areal.lora import adapter_leaves, layer_of, merged_cost, peft_config, write_adapter
+from areal.rollout.sglang_api import DELTA, LORA
+from areal.trainer.backends.torch import lora_spec
 from areal.weights import publish, version_dir, write_tensors
 
 log = logging.getLogger("areal.trainer")
@@ -58,6 +66,26 @@ class WeightBroadcaster:
         """weights.delta: the version every server of the group holds (the last one sent)."""
         self.stats: dict[str, float] = {}
         """The last version's hand-off, for the metrics line."""
+        self.lora = lora_spec(cfg)
+        """model.lora: versions are adapters (sent as trained: float32)."""
+
+    def _prepared(self, named: Iterable[tuple[str, torch.Tensor]]) -> list:
+        """The tensors to send, on the group's device: in the servers' dtype, or an
+        adapter's as trained (the dtype its directory holds: the same bits either way)."""
+        dtype = torch.float32 if self.lora else self.dtype
+        return [(n, t.detach().to(self.device, dtype).contiguous()) for n, t in named]
+
+    def _lora_bucketing(self, named: list[tuple[str, torch.Tensor]]) -> tuple:
+        """buckets()' unit and cost with model.lora (areal/lora.py's merged_cost: a bucket
+        counts the server's weights it changes, which the server holds merged)."""
+        return () if self.lora is None else (layer_of, merged_cost(named, self.dtype.itemsize))
+
+    def _lora_config(self, named: list[tuple[str, torch.Tensor]]) -> dict | None:
+        """model.lora: how a server applies the adapter (PEFT's fields, on the wire)."""
+        if self.lora is None:
+            return None
+        leaves = adapter_leaves(n for n, _ in named)
+        return {"r": self.lora.rank, "lora_alpha": self.lora.alpha, "target_modules": leaves}
 
     def publish(
         self,
@@ -65,12 +93,12 @@ class WeightBroadcaster:
         version: int,
         named: Iterable[tuple[str, torch.Tensor]],
     ) -> None:
-        named = [(n, t.detach().to(self.device, self.dtype).contiguous()) for n, t in named]
+        named = self._prepared(named)
         path = str(version_dir(self.cfg.exp_dir, version))  # where a server may read it
         on_disk = version % self.cfg.weights.disk_every == 0
         if on_disk:
             self._to_disk(version, named)
-        full = list(weight_group.buckets(named, self.bucket_bytes))
+        full = list(weight_group.buckets(named, self.bucket_bytes, *self._lora_bucketing(named)))
         delta = self._delta(named)
         group = controller.call(
             "weights_ready",
@@ -83,6 +111,8 @@ class WeightBroadcaster:
                 "delta": None
                 if delta is None  # an empty delta (nothing changed) is one to send
                 else {"buckets": [weight_group.spec(b) for b in delta], "load_format": DELTA},
+                "load_format": LORA if self.lora else None,
+                "lora_config": self._lora_config(named),
                 "master_address": self.host,
                 "master_port": free_port(),
                 "backend": self.backend,
@@ -141,8 +171,13 @@ class WeightBroadcaster:
         copy = {n: t.to("cpu", copy=True) for n, t in named}
         self.wait_for_disk()
 
-        def job() -> None:
+        if self.lora:  # an adapter directory, as save_hf writes it
+            config = peft_config(self.lora, adapter_leaves(copy), str(self.cfg.model.path))
+            write = functools.partial(write_adapter, tensors=copy, config=config)
+        else:
             write = functools.partial(write_tensors, tensors=copy, model_dir=self.model_dir)
+
+        def job() -> None:
             self.on_disk = (version, str(publish(self.cfg.exp_dir, version, write)))
 
         self._writing = self._writer.submit(job)

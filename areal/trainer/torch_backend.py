@@ -50,7 +50,14 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from areal.checkpoint import load_rank_state, save_rank_state
-from areal.lora import LoRASpec, apply_lora, load_adapter_tensors, read_adapter, save_adapter
+from areal.lora import (
+    LoRASpec,
+    adapter_tensors,
+    apply_lora,
+    load_adapter_tensors,
+    read_adapter,
+    save_adapter,
+)
 from areal.trainer.backend import DTYPES, optimizer_file
 from areal.trainer.batching import (
     LossFn,
@@ -242,8 +249,10 @@ class TorchBackend:
             self.tokenizer.save_pretrained(out)
 
     def hf_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The model's tensors under their HF names (tied ones once), as save_hf writes them."""
-        assert not self.lora, "a LoRA run hands off its adapter on disk"
+        """The model's tensors under their HF names (tied ones once), as save_hf writes them:
+        with LoRA the adapter's alone (PEFT's names, float32, each layer's A then B)."""
+        if self.lora:
+            return list(adapter_tensors(self.model).items())
         seen: set[int] = set()
         out = []
         for name, t in self.model.state_dict().items():

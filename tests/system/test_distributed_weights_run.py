@@ -4,14 +4,20 @@ The same weights arrive as through disk (fresh log-prob gap; tests/system/test_i
 checks every token of interrupted samples against its version's model), disk copies follow
 disk_every, and a server killed while an update waits
 on it does not stop the run: it comes back on the newest version on disk and joins the next
-group.
+group. A LoRA run sends its adapter alone.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
+import pytest
+from safetensors.torch import load_file
+
+from areal.config import load_config
+from areal.lora import is_adapter_dir, read_adapter
 from tests.system.test_run import (
     _wait_for,
     cmdline,
@@ -102,3 +108,39 @@ def test_a_server_killed_during_an_update_comes_back_and_rejoins(tmp_path):
     assert "received version" in log0[back:], log0[-3000:]
     assert "loaded version" in log0[log0.index("is down") : back], log0[-3000:]
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
+
+
+@pytest.mark.timeout(180)
+def test_a_lora_run_broadcasts_its_adapter_alone(tmp_path):
+    """model.lora: each version is the adapter's tensors, sent over the group and merged by
+    the servers (the trainer's log-probs: max_staleness=0 makes every token fresh, those
+    after the first step generated with broadcast adapters); bytes per update are the
+    adapter's, not the model's; every disk_every-th version is an adapter directory, as
+    with the disk hand-off."""
+    steps = 4
+    proc = run_train(
+        tmp_path, f"total_train_steps={steps}", "trial_name=lora_bcast", "rollout.n_servers=2",
+        "weights.disk_every=2", "model.lora.rank=16", "trainer.lr=2e-3", "max_staleness=0",
+        *DISTRIBUTED,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exp_dir = tmp_path / "tiny/lora_bcast"
+    metrics = read_metrics(exp_dir)
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    assert all(m["train/fresh_tokens"] > 0 for m in metrics[1:]), metrics
+    gaps = [m["train/fresh_logprob_diff_max"] for m in metrics[1:]]
+    assert max(gaps) < 1e-4, gaps  # float32 noise: the same merge as from disk
+    for k in (0, 1):
+        log = _rollout_log(exp_dir, k)
+        assert "received version 1 " in log and f"received version {steps - 1} " in log, log
+        assert "from disk" not in log and "is down" not in log, log
+    (version,) = (exp_dir / "weights").iterdir()
+    assert version.name == f"v{steps:06d}" and is_adapter_dir(version)
+    adapter = sum(t.numel() * t.element_size() for t in read_adapter(version)[1].values())
+    model_dir = Path(load_config(str(exp_dir / "config.yaml")).model.path)
+    model = sum(
+        t.numel() * t.element_size() for t in load_file(model_dir / "model.safetensors").values()
+    )
+    for m in metrics:  # two servers, the adapter each
+        assert m["weights/sent_bytes"] == m["weights/full_bytes"] == 2 * adapter, m
+    assert adapter * 2 < model, (adapter, model)

@@ -26,6 +26,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.comm.net import free_port
+from areal.lora import (
+    LoRASpec,
+    adapter_leaves,
+    adapter_tensors,
+    apply_lora,
+    layer_of,
+    lora_layers,
+    save_adapter,
+)
 from areal.models.tiny import chat_prompt_ids, make_tiny_model
 from areal.rollout.client import SGLangClient
 from areal.weight_group import Group, buckets, open_group, send, spec
@@ -309,3 +318,46 @@ def test_a_sender_that_dies_or_never_sends_fails_and_the_server_serves_on(
     assert out.weight_version == 3  # the failed updates changed nothing
     assert restored.weight_version == 4
     assert_served_by(load_model(model_dir), prompt, restored)
+
+
+def test_an_adapter_over_the_group_is_served_as_from_disk(server, model_dir, prompt, tmp_path):
+    """model.lora: the adapter's tensors (load_format "lora", lora_config) are merged into
+    the served base; the same adapter from disk serves the same log-probs. Runs on the
+    original weights (the test before restores them)."""
+    model = load_model(model_dir)
+    spec_ = LoRASpec(rank=4, alpha=8.0)
+    apply_lora(model, spec_)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=g) * 0.05)
+    save_adapter(model, tmp_path / "adapter", spec_)
+    named = sorted(adapter_tensors(model).items())
+    config = {"r": 4, "lora_alpha": 8.0, "target_modules": adapter_leaves(n for n, _ in named)}
+
+    async def body(client: SGLangClient):
+        group = await join(client)
+        try:
+            url = client.base_url + "/update_weights_from_distributed"
+            # Refused before any broadcast: a LoRA bucket without its lora_config.
+            status, answer = await post(url, {**spec(named[:2]), "load_format": "lora"})
+            assert status == 400 and "lora_config" in json.dumps(answer), answer
+            for bucket in buckets(named, 20_000, layer_of):
+                answer = await send_bucket(
+                    client, group, bucket, 5, load_format="lora", lora_config=config
+                )
+                assert answer["success"], answer
+            by_group = await client.generate(prompt, SAMPLING)
+            await client.destroy_weights_update_group(GROUP)
+        finally:
+            group.close()
+        await client.update_weights_from_disk(str(tmp_path / "adapter"), 6)
+        return by_group, await client.generate(prompt, SAMPLING)
+
+    by_group, from_disk = run(body, server)
+    assert by_group.weight_version == 5 and from_disk.weight_version == 6
+    # Both served base + adapter (the unmerged formula's log-probs), not the base alone.
+    assert_served_by(model.eval(), prompt, by_group)
+    assert_served_by(model, prompt, from_disk)
+    base = ref_logprobs(load_model(model_dir), prompt, by_group.output_ids, 1.0)
+    assert (torch.tensor(by_group.logprobs) - base).abs().max() > 1e-3

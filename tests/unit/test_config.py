@@ -145,8 +145,20 @@ def test_empty_file_and_empty_section_mean_defaults(tmp_path: Path) -> None:
         (["weights.disk_every=0"], ["weights.disk_every must be > 0"]),
         (["weights.delta=true"], ["weights.delta", "weights.transport=distributed"]),
         (
-            ["weights.transport=distributed", "model.lora.rank=4"],
-            ["weights.transport=distributed: a LoRA run", "use weights.transport=disk"],
+            ["weights.transport=distributed", "model.lora.rank=4", "inference.backend=vllm"],
+            [
+                "model.lora with weights.transport=distributed needs inference.backend=embedded",
+                "vllm's servers load each adapter by path",
+                "use weights.transport=disk",
+            ],
+        ),  # fmt: skip
+        (
+            ["weights.transport=distributed", "model.lora.rank=4", "inference.backend=sglang"],
+            ["needs inference.backend=embedded", "sglang's servers"],
+        ),
+        (
+            ["weights.transport=distributed", "model.lora.rank=4", "weights.delta=true"],
+            ["weights.delta with model.lora", "set weights.delta=false"],
         ),
         (
             ["weights.transport=distributed", "launcher.type=inline"],
@@ -169,6 +181,9 @@ def test_valid_edge_values_pass() -> None:
     cfg = load_config(None, ["max_staleness=0", "dataset.type=math", "dataset.path=/d.jsonl"])
     assert cfg.max_staleness == 0 and cfg.dataset.path == "/d.jsonl"
     assert load_config(None, ["trainer.backend=megatron"]).trainer.backend == "megatron"
+    # A LoRA run sends its adapter over the weight-update group to embedded servers.
+    cfg = load_config(None, ["weights.transport=distributed", "model.lora.rank=4"])
+    assert cfg.weights.transport == "distributed" and cfg.model.lora.rank == 4
 
 
 @pytest.mark.parametrize(
