@@ -35,7 +35,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("areal.export", "Merge a LoRA run's adapter into its base: one HF directory."),
     ("areal.worker", "One role of a prepared experiment directory (the launcher runs these)."),
     ("areal.rollout.server", "The embedded inference server (SGLang's HTTP API) by itself."),
-    ("areal.workflow.agent_host", "Internal: an agent process the controller starts."),
+    ("areal.workflow.agent_process", "Internal: an agent process the controller starts."),
     ("areal.docs", "Build this documentation site (strict) and serve it locally."),
 )
 """Every argparse command: `python -m MODULE`, and what it is for."""
