@@ -7,7 +7,7 @@ classes), the router, and the fan-out of each new version.
     a version published --> to every server, one version at a time (the update lock)
         --all loaded, + fanout_s--> the gate moves to it
 
-It also keeps when the gate was shut: by eta, or by the cap on groups in flight.
+It also keeps when the gate was shut: by max_staleness, or by the cap on groups in flight.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ControllerModel:
         self.events, self.p, self.s = events, profile, setting
         self.rng = random.Random(setting.seed)
         self.prompt = prompt
-        self.gate = StalenessGate(setting.batch_size, setting.eta, setting.max_concurrent)
+        self.gate = StalenessGate(setting.batch_size, setting.max_staleness, setting.max_concurrent)
         self.buffer = buffer
         self.servers, self.trainer = servers, trainer
         self.load = [0] * setting.n_servers
@@ -66,7 +66,7 @@ class ControllerModel:
         self.pending_versions: list[int] = []
         self.fanning = False
         self.loaded = 0
-        self.held_by_eta = Shut()
+        self.held_by_max_staleness = Shut()
         self.capped = Shut()
         """When the bound on staleness, and the cap on groups in flight, kept the gate shut."""
 
@@ -84,11 +84,12 @@ class ControllerModel:
         self._track_held()
 
     def _track_held(self) -> None:
-        """Intervals in which the gate is shut by eta, and by the cap on groups in flight."""
+        """Intervals in which the gate is shut by max_staleness, and by the cap on groups in
+        flight."""
         g = self.gate
-        by_eta = g.batch_size * (g.version + g.max_staleness + 1) - g.n_started <= 0
-        by_cap = not by_eta and g.max_concurrent - g.n_running <= 0
-        self.held_by_eta.note(by_eta, self.events.now)
+        by_staleness = g.batch_size * (g.version + g.max_staleness + 1) - g.n_started <= 0
+        by_cap = not by_staleness and g.max_concurrent - g.n_running <= 0
+        self.held_by_max_staleness.note(by_staleness, self.events.now)
         self.capped.note(by_cap, self.events.now)
 
     def generated(self, group: _Group) -> None:

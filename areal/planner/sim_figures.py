@@ -19,7 +19,7 @@ class Result:
     staleness_hist: dict[int, int]
     idle: dict[str, float]
     """Share of the measured window each role did not compute (servers: not decoding)."""
-    held_by_eta: float
+    held_by_max_staleness: float
     """Share of the window in which the staleness bound kept the gate shut."""
     step_times: list[float]
     bottleneck: str
@@ -41,13 +41,13 @@ def figures(
     held: list[tuple[float, float]],
     capped: list[tuple[float, float]],
     now: float,
-    eta: int,
+    max_staleness: int,
     **counts: int,
 ) -> Result:
     """The Result of a run that ended `now`: records and staleness per step (the trainer's),
-    the roles' busy spans, and the spans in which eta (held) or the cap on groups in flight
-    (capped) kept the gate shut; `counts`: the servers' generated, prefilled, interrupted.
-    The first fifth of the steps is warm-up, left out."""
+    the roles' busy spans, and the spans in which max_staleness (held) or the cap on groups
+    in flight (capped) kept the gate shut; `counts`: the servers' generated, prefilled,
+    interrupted. The first fifth of the steps is warm-up, left out."""
     recs = records
     warm = len(recs) // 5
     t0, t1 = recs[warm]["time"], recs[-1]["time"]
@@ -61,7 +61,7 @@ def figures(
 
     idle = {f"server{s.index}": 1 - busy_share(s) for s in servers}
     idle["trainer0"] = 1 - busy_share(trainer)
-    # Held by eta: a server idle while the bound keeps the gate shut (mean over servers).
+    # Held by max_staleness: a server idle while the bound keeps the gate shut (mean over servers).
     capped_share = _overlap(capped, t0, t1) / max(t1 - t0, 1e-12)
     held_share = sum(
         _overlap(held, t0, t1) - _overlap_pairs(held, _busy(s, now), t0, t1) for s in servers
@@ -73,9 +73,9 @@ def figures(
         staleness_max=max(stale),
         staleness_hist=dict(sorted(hist.items())),
         idle=idle,
-        held_by_eta=held_share,
+        held_by_max_staleness=held_share,
         step_times=[r["time"] for r in recs],
-        bottleneck=bottleneck(idle, held_share, eta, capped_share),
+        bottleneck=bottleneck(idle, held_share, max_staleness, capped_share),
         **counts,
     )
 
@@ -113,21 +113,21 @@ def effective_throughput(records: list[dict], key: str = "train/n_tokens") -> fl
     return total / max(records[-1]["time"] - records[warm]["time"], 1e-12)
 
 
-def bottleneck(idle: dict[str, float], held: float, eta: int, capped: float = 0.0) -> str:
+def bottleneck(idle: dict[str, float], held: float, max_staleness: int, capped: float = 0.0) -> str:
     """Which role sets the pace, in words: the one that never waits."""
     trainer = idle["trainer0"]
     servers = [v for k, v in idle.items() if k.startswith("server")]
     server = sum(servers) / len(servers)
     if trainer < 0.1 and trainer <= server:
-        return "trainer (it never waits; the servers are held by eta or idle)"
+        return "trainer (it never waits; the servers are held by max_staleness or idle)"
     if server < 0.1:
         if capped > 0.5:
             return (
                 "generation (the trainer waits; rollout.max_concurrent caps the groups in flight)"
             )
         return "generation (the servers never wait; the trainer waits for batches)"
-    if eta == 0:
-        return "synchronous: the roles take turns (eta=0)"
+    if max_staleness == 0:
+        return "synchronous: the roles take turns (max_staleness=0)"
     if held > 0.5 * server:
-        return "the staleness bound (servers held by eta while the trainer waits too)"
+        return "the staleness bound (servers held by max_staleness while the trainer waits too)"
     return "hand-off and overheads (both roles wait)"

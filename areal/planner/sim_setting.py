@@ -14,7 +14,7 @@ class Setting:
     batch_size: int
     """Groups a training step takes (trainer.batch_size)."""
     group_size: int
-    eta: int
+    max_staleness: int
     max_concurrent: int = 0
     """Groups in flight at most; 0 = one batch (StalenessGate's rule)."""
     n_minibatches: int = 4
@@ -34,7 +34,7 @@ class Setting:
         values = dict(
             batch_size=cfg.trainer.batch_size,
             group_size=cfg.rollout.group_size,
-            eta=cfg.max_staleness,
+            max_staleness=cfg.max_staleness,
             max_concurrent=cfg.rollout.max_concurrent,
             n_minibatches=cfg.ppo.n_minibatches,
             max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,

@@ -1,6 +1,7 @@
 """The simulated trainer: one step as a sequence of timed phases.
 
-    request a batch (it waits) --the buffer has batch_size groups within eta--> rpc_s -->
+    request a batch (it waits) --the buffer has batch_size groups within max_staleness
+        --> rpc_s -->
         step overhead -> proximal pass (minibatches 2..n) -> n minibatch updates
         (micro-batches by Algorithm 1) -> publish --> on_version(v + 1), next batch
 
@@ -69,7 +70,7 @@ class TrainerModel:
         t = self.trainer
         if not t.wants_batch:
             return
-        groups = self.buffer.take(t.version, self.s.batch_size, self.s.eta)
+        groups = self.buffer.take(t.version, self.s.batch_size, self.s.max_staleness)
         if groups is None:
             return
         t.wants_batch = False
