@@ -198,7 +198,7 @@ class RolloutConfig(Section):
     failure_window_s: float = 300.0
     """Seconds of rejected episodes without an accepted one that stop the run likewise (0 = never)."""  # noqa: E501
     agent_processes: int = 1
-    """Processes that run agents' run(data, client), off the controller's loop: each runs its async episodes on one event loop, plain-function agents on threads (areal/workflow/agent_host.py); 0 = on the controller's loop."""  # noqa: E501
+    """Processes that run agents' run(data, client), off the controller's loop: each runs its async episodes on one event loop, plain-function agents on threads (areal/workflow/agent_process.py, started by agent_host.py); 0 = on the controller's loop."""  # noqa: E501
     data_plane: str = "pull"
     """How a batch's tensors reach the trainer ranks: pull (AReaL v0.5: the controller passes metadata only; each rollout worker holds the trajectories it made, and each trainer rank fetches its own share from them) or relay (every trajectory travels through the controller, whole, to trainer rank 0, which broadcasts it to every rank); areal/data_plane.py."""  # noqa: E501
     tool_parser: str = "qwen"

@@ -53,7 +53,7 @@ import mmap
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -209,11 +209,21 @@ class Grading:
 
 class Cores:
     """This process's torch threads: `share` always, plus the shares that waiting peers lend
-    (without a ledger, `share` alone: a fixed split)."""
+    (without a ledger, `share` alone: a fixed split).
+
+    `clock` gives every time the ledger holds and is compared with, and the working time of
+    threads_mean: CLOCK_MONOTONIC, which every process of the node reads alike (a test
+    passes a clock it advances itself)."""
 
     def __init__(
-        self, share: int, ledger: Path | None = None, slot: int = 0, roles: int = 1
+        self,
+        share: int,
+        ledger: Path | None = None,
+        slot: int = 0,
+        roles: int = 1,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
         self.share = max(1, share)
         self.limit = max(self.share, node_cores())
         self.slot = slot
@@ -235,11 +245,11 @@ class Cores:
         if self._working_since is not None:
             self.adapt()
             return
-        self._working_since = time.monotonic()
+        self._working_since = self.clock()
         if self._ledger is not None:
             self._ledger[2 * self.slot] = 0.0
             deadline = self._working_since + RETURN_WAIT_S
-            while self._peers_hold_mine() and time.monotonic() < deadline:
+            while self._peers_hold_mine() and self.clock() < deadline:
                 time.sleep(0.002)
         self.adapt()
 
@@ -249,7 +259,7 @@ class Cores:
         self._end_borrow()
         self._working_since = None
         if self._ledger is not None:
-            self._ledger[2 * self.slot] = time.monotonic()
+            self._ledger[2 * self.slot] = self.clock()
 
     @property
     def lending(self) -> bool:
@@ -263,7 +273,7 @@ class Cores:
             # less than BORROW_AFTER_S) go to those roles in equal parts, the remainder to
             # the lowest slots: two borrowers never take the same lent share, and where
             # shares alone fill the node (more roles than cores) nobody borrows.
-            now, ledger = time.monotonic(), self._ledger
+            now, ledger = self.clock(), self._ledger
             holders = [self.slot]
             holders += [i for i in self._peers if not 0 < ledger[2 * i] <= now - BORROW_AFTER_S]
             free = self.limit - self.share * len(holders) - int(ledger[2 * self._grading + 1])
@@ -323,7 +333,7 @@ class Cores:
 
     def _account(self) -> None:
         if self._working_since is not None:
-            now = time.monotonic()
+            now = self.clock()
             self._thread_s += self.threads * (now - self._working_since)
             self._work_s += now - self._working_since
             self._working_since = now

@@ -31,11 +31,11 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("areal.train", "Start a run: every role of a config, on this machine, SLURM or Ray."),
     ("areal.eval", "pass@k of a model on a dataset, through the same engine and graders."),
     ("areal.report", "A run's figures (PNG) and summary; several runs side by side."),
-    ("areal.planner", "Predict throughput and staleness of servers x eta before a run."),
+    ("areal.planner", "Predict throughput and staleness of servers x max_staleness before a run."),
     ("areal.export", "Merge a LoRA run's adapter into its base: one HF directory."),
     ("areal.worker", "One role of a prepared experiment directory (the launcher runs these)."),
     ("areal.rollout.server", "The embedded inference server (SGLang's HTTP API) by itself."),
-    ("areal.workflow.agent_host", "Internal: an agent process the controller starts."),
+    ("areal.workflow.agent_process", "Internal: an agent process the controller starts."),
     ("areal.docs", "Build this documentation site (strict) and serve it locally."),
 )
 """Every argparse command: `python -m MODULE`, and what it is for."""

@@ -1,7 +1,7 @@
 """The planner (areal/planner/) against real runs: predicted and measured throughput and
 staleness, its recommendation against a hand-measured grid, and the paper's 1.5B setting.
 
-    python benchmarks/planner.py [--configs tiny,tiny_longtail] [--etas 0,1,4,16]
+    python benchmarks/planner.py [--configs tiny,tiny_longtail] [--max-staleness 0,1,4,16]
         [--servers 1,2] [--steps tiny=200,tiny_longtail=40] [--fileroot DIR]
         [--model CONFIG=DIR ...] [--repeats 3] [--reuse] [--timeout-s 900] [--no-paper]
 
@@ -68,10 +68,11 @@ def measured(path: Path) -> tuple[float, float]:
 
 
 def predict(profile, cfg, eta: int, servers: int, steps: int):
-    rs = [
-        simulate(profile, Setting.from_config(cfg, eta=eta, n_servers=servers, steps=steps, seed=s))
+    settings = (
+        Setting.from_config(cfg, max_staleness=eta, n_servers=servers, steps=steps, seed=s)
         for s in range(1, SIM_SEEDS + 1)
-    ]
+    )
+    rs = [simulate(profile, s) for s in settings]
     return (
         statistics.mean(r.throughput for r in rs),
         statistics.mean(r.staleness_mean for r in rs),
@@ -150,12 +151,11 @@ def recommendation_check(args: argparse.Namespace, rows: list[dict], name: str) 
     points = plan_grid(cfg, load_profile(profile_path), args.etas, servers=args.servers,
                        steps=args.steps[name])  # fmt: skip
     best_pred = recommend(points)
-    chosen = next(
-        r for r in grid if (r["servers"], r["eta"]) == (best_pred.n_servers, best_pred.eta)
-    )
+    pick = (best_pred.n_servers, best_pred.max_staleness)
+    chosen = next(r for r in grid if (r["servers"], r["eta"]) == pick)
     best = max(grid, key=lambda r: r["tput"])
     print(
-        f"\n{name}: recommended servers={best_pred.n_servers} eta={best_pred.eta}, measured "
+        f"\n{name}: recommended servers={pick[0]} eta={pick[1]}, measured "
         f"{chosen['tput']:,.0f} tok/s; best measured servers={best['servers']} eta={best['eta']} "
         f"{best['tput']:,.0f} tok/s: {100 * (chosen['tput'] / best['tput'] - 1):+.1f}% "
         f"(target: within -10%; the grid: servers {args.servers} x eta {args.etas})"
@@ -167,11 +167,13 @@ def paper_ratios(profile, steps: int) -> tuple[float, float, float, object]:
     config on 16 x 8 GPUs, simulated at 1/8 scale (each server and GPU sees the same load)."""
     cfg = load_config(str(ROOT / "configs/math_1.5b.yaml"))
     split = {
-        p.eta: p.result
+        p.max_staleness: p.result
         for p in plan_grid(cfg, profile, [0, 8], fractions=[0.75], gpus=128, steps=steps, scale=8)
     }
     # Colocated synchronous: every GPU generates, then every GPU trains (eta=0).
-    s = Setting.from_config(cfg, eta=0, n_servers=128 // 8, trainer_devices=128 // 8, steps=steps)
+    s = Setting.from_config(
+        cfg, max_staleness=0, n_servers=128 // 8, trainer_devices=128 // 8, steps=steps
+    )
     s.batch_size //= 8
     s.max_concurrent //= 8
     colocated = 8 * simulate(profile, s).throughput
@@ -207,7 +209,7 @@ def paper(steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,tiny_longtail")
-    ap.add_argument("--etas", default="0,1,4,16")
+    ap.add_argument("--max-staleness", "--etas", dest="etas", default="0,1,4,16", metavar="LIST")
     ap.add_argument("--servers", default="1,2")
     # tiny's steps take ~0.1 s: 200 of them measure ~20 s, not a few seconds of noise.
     ap.add_argument("--steps", default="tiny=200,tiny_longtail=40", help="N, or CONFIG=N,...")

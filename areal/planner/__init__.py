@@ -1,5 +1,6 @@
 """The planner: predict a run's effective training throughput, staleness and idle roles
-before running it, for a grid of inference fractions (on CPUs: server counts) and etas.
+before running it, for a grid of inference fractions (on CPUs: server counts) and max_staleness
+values.
 
     profiling run (events/, batches.jsonl) --calibrate.py--> profile.json (costs.py)
     docs' GPU figures ------------------------gpu_h200----> profile

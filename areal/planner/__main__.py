@@ -25,8 +25,8 @@ from areal.planner.costs import BUILTIN, Profile, load_profile
 from areal.planner.sim import Result, Setting, simulate
 
 NEAR_BEST = 0.03
-"""Grid points within this share of the best throughput tie; the smaller eta wins them (less
-staleness for the same speed), then the fewer servers."""
+"""Grid points within this share of the best throughput tie; the smaller max_staleness wins
+them (less staleness for the same speed), then the fewer servers."""
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Point:
     """The grid's first axis: "servers=2" or "fraction=0.75 (96 servers, 32 training GPUs)"."""
     n_servers: int
     fraction: float | None
-    eta: int
+    max_staleness: int
     result: Result
 
 
@@ -73,14 +73,15 @@ def gpu_split(cfg: ExperimentConfig, total: int, fraction: float) -> tuple[int, 
 def plan_grid(
     cfg: ExperimentConfig,
     profile: Profile,
-    etas: list[int],
+    max_staleness: list[int],
     servers: list[int] | None = None,
     fractions: list[float] | None = None,
     gpus: int = 0,
     steps: int | None = None,
     scale: int = 1,
 ) -> list[Point]:
-    """Simulate every grid point. GPUs: `fractions` of `gpus`; CPUs: `servers` counts.
+    """Simulate every grid point: each of the `max_staleness` values, by `fractions` of `gpus`
+    (GPUs) or `servers` counts (CPUs).
     scale > 1 divides servers, training GPUs, batch and groups in flight alike (each server
     and GPU sees the same load, in a run `scale` times smaller to simulate); 0 picks it.
     steps: simulated training steps (default: the config's, at most 40)."""
@@ -96,9 +97,9 @@ def plan_grid(
         for n in servers or [cfg.rollout.n_servers]:
             axis.append((f"servers={n}", n, None, 1))
     for label, n, f, train_gpus in axis:
-        for eta in etas:
+        for bound in max_staleness:
             s = Setting.from_config(
-                cfg, eta=eta, n_servers=n, trainer_devices=train_gpus, steps=steps
+                cfg, max_staleness=bound, n_servers=n, trainer_devices=train_gpus, steps=steps
             )
             k = _scale(s, scale)
             for name in SCALED:
@@ -107,7 +108,7 @@ def plan_grid(
             result.throughput *= k  # the whole run's: every part was k times smaller
             result.trajectories_per_s *= k
             limit_by_controller(result, profile.controller.get(cfg.rollout.data_plane))
-            points.append(Point(label, n, f, eta, result))
+            points.append(Point(label, n, f, bound, result))
     return points
 
 
@@ -151,26 +152,26 @@ def _scale(s: Setting, scale: int) -> int:
 def recommend(points: list[Point]) -> Point:
     best = max(p.result.throughput for p in points)
     near = [p for p in points if p.result.throughput >= (1 - NEAR_BEST) * best]
-    return min(near, key=lambda p: (p.eta, p.n_servers))
+    return min(near, key=lambda p: (p.max_staleness, p.n_servers))
 
 
 def format_grid(points: list[Point]) -> str:
     lines = [
-        f"{'':<46} {'eta':>4} {'tok/s':>10} {'stale mean':>10} {'max':>4} "
+        f"{'':<46} {'max_staleness':>13} {'tok/s':>10} {'stale mean':>10} {'max':>4} "
         f"{'servers idle':>12} {'trainer idle':>12} {'controller':>10}  bottleneck"
     ]
     for p in points:
         r = p.result
         servers = [v for k, v in r.idle.items() if k.startswith("server")]
         lines.append(
-            f"{p.label:<46} {p.eta:>4} {r.throughput:>10,.0f} {r.staleness_mean:>10.2f} "
+            f"{p.label:<46} {p.max_staleness:>13} {r.throughput:>10,.0f} {r.staleness_mean:>10.2f} "
             f"{r.staleness_max:>4} {100 * sum(servers) / len(servers):>11.0f}% "
             f"{100 * r.idle['trainer0']:>11.0f}% {_core_share(r.controller_cores):>10}  "
             f"{r.bottleneck}"
         )
     best = recommend(points)
     lines.append(
-        f"recommended: {best.label}, max_staleness={best.eta} "
+        f"recommended: {best.label}, max_staleness={best.max_staleness} "
         f"({best.result.throughput:,.0f} tok/s predicted; bottleneck: {best.result.bottleneck})"
     )
     r = best.result
@@ -204,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="run dir to calibrate from, profile JSON, or h200")
     ap.add_argument("--cluster", help="NODESxGPUS: plan GPUs (launcher.inference_fraction)")
     ap.add_argument("--cores", type=int, help="CPU cores the roles share (default: profile's)")
-    ap.add_argument("--etas", default="0,1,2,4,8,16", help="max_staleness values to try")
+    ap.add_argument(
+        "--max-staleness", default="0,1,2,4,8,16", help="max_staleness values to try (a list)"
+    )
+    ap.add_argument("--etas", help="deprecated: the old name of --max-staleness")
     ap.add_argument("--fractions", default="0.5,0.625,0.75,0.875", help="GPU inference shares")
     ap.add_argument("--servers", default="1,2", help="CPU: server counts to try")
     ap.add_argument("--steps", type=int, help="steps to simulate (default: config's, <= 40)")
@@ -214,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-profile", help="write the profile used (JSON) here")
     ap.add_argument("--json", action="store_true", help="print the grid as JSON")
     args = ap.parse_args(argv)
+    if args.etas is not None:
+        print("areal.planner: --etas is deprecated: use --max-staleness", file=sys.stderr)
+        args.max_staleness = args.etas
     try:
         cfg = load_config(args.config, args.overrides)
         if not args.profile:
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         points = plan_grid(
             cfg,
             profile,
-            _ints(args.etas),
+            _ints(args.max_staleness),
             servers=_ints(args.servers),
             fractions=_floats(args.fractions),
             gpus=gpus,
@@ -251,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal.planner: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([{**asdict(p.result), "label": p.label, "eta": p.eta} for p in points]))
+        rows = [{**asdict(p.result), "label": p.label, "max_staleness": p.max_staleness}
+                for p in points]  # fmt: skip
+        print(json.dumps(rows))
         return 0
     print(f"profile: {profile.source}")
     print(format_fit(profile))

@@ -2,8 +2,8 @@
 
 A step attends each row to its cached tokens and the new one. Rows are read in chunks of
 neighbouring rows, each chunk up to its own longest row, so a step reads rows x longest where
-one long row sits among short ones. Torch-free, so that the planner (areal/planner/sim.py)
-costs its simulated steps by the rule KVCache.decode runs.
+one long row sits among short ones. Torch-free, so that the planner
+(areal/planner/sim_servers.py) costs its simulated steps by the rule KVCache.decode runs.
 """
 
 from __future__ import annotations

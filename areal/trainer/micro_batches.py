@@ -1,6 +1,6 @@
 """Dynamic micro-batching (paper Algorithm 1): a minibatch of variable-length sequences is cut
 into micro-batches under a token budget instead of a fixed count. Torch-free, so that the
-planner (areal/planner/sim.py) counts a simulated step's micro-batches by the same rule.
+planner (areal/planner/sim_trainer.py) counts a simulated step's micro-batches by the same rule.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Agents: `[async] def run(data, client) -> float | dict[str, float]` as a workflow.
 
     admitted row --> G sessions of the endpoint --> G concurrent run(row, client_g),
-                     in the agent processes (agent_host.py; rollout.agent_processes)
+                     in the agent processes (rollout.agent_processes; started by agent_host.py,
+                     each one agent_process.py)
         each call of run() --> OpenAIEndpoint --> engine.generate (recorded, token exact)
     rewards returned --> per-call rewards --> returns (rollout.turn_discount)
         --> samples (rollout.sample_mode: individual, or concat with a fallback)
@@ -27,7 +28,8 @@ from typing import Any
 
 from areal.config import RolloutConfig
 from areal.trajectory import Trajectory
-from areal.workflow.agent_host import AgentHosts, AgentRunner
+from areal.workflow.agent_host import AgentHosts
+from areal.workflow.agent_process import AgentRunner
 from areal.workflow.api import EpisodeError, RolloutEngine, Workflow
 from areal.workflow.openai_endpoint import OpenAIEndpoint, Session
 from areal.workflow.samples import (

@@ -1,5 +1,9 @@
 """Work-conserving cores (areal/cores.py): a waiting role lends its share, a returning role
-gets it back within a module, and the engine and the trainer's modules follow the ledger."""
+gets it back within a module, and the engine and the trainer's modules follow the ledger.
+
+The roles read a FakeClock that the tests advance: how long a peer has waited is what the
+test says, never what a loaded machine's stalls make it (only the engine, a thread of its
+own, runs on the real clock)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from areal import cores, events
-from areal.cores import BORROW_AFTER_S, Cores, node_cores
+from areal.cores import BORROW_AFTER_S, RETURN_WAIT_S, Cores, node_cores
 from areal.rollout.engine import DecodeEngine, SamplingParams
 
 pytestmark = pytest.mark.skipif(node_cores() < 2, reason="lending needs two cores")
@@ -24,55 +28,95 @@ def _restore_threads():
     torch.set_num_threads(before)
 
 
-def pair(tmp_path) -> tuple[Cores, Cores]:
+@pytest.fixture(autouse=True)
+def _two_cores(monkeypatch):
+    """The figures below are a 2-core node's, on any machine (a test may set its own)."""
+    monkeypatch.setattr(cores, "node_cores", lambda: 2)
+
+
+class FakeClock:
+    """The roles' clock: it moves only when the test advances it; `reads` counts the calls
+    (a role waiting for its share reads it on each poll)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0  # a ledger's 0 means working: any time > 0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def pair(tmp_path, clock: FakeClock | None = None) -> tuple[Cores, Cores]:
     """Two roles of one node, one core each (in one process: torch's threads are the last
     set; the test reads each role's own record)."""
-    ledger = tmp_path / "ledger"
-    return Cores(1, ledger, 0, 2), Cores(1, ledger, 1, 2)
+    ledger, clock = tmp_path / "ledger", clock or FakeClock()
+    return Cores(1, ledger, 0, 2, clock), Cores(1, ledger, 1, 2, clock)
 
 
-def test_a_waiting_role_lends_its_share_and_gets_it_back(tmp_path, monkeypatch) -> None:
-    # Generous times, so that a loaded machine's stalls cannot pass for lending or returns.
-    monkeypatch.setattr(cores, "BORROW_AFTER_S", 0.5)
-    monkeypatch.setattr(cores, "RETURN_WAIT_S", 30.0)
-    a, b = pair(tmp_path)
+def start(target) -> threading.Thread:
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
+def assert_polling(thread: threading.Thread, clock: FakeClock, message: str) -> None:
+    """`thread` (a role's work()) waits for its share: it polls (reads the clock again and
+    again) and does not return. Fails at once if it returns; 10 s at most otherwise."""
+    reads, deadline = clock.reads, time.monotonic() + 10
+    while thread.is_alive() and clock.reads < reads + 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert thread.is_alive() and clock.reads >= reads + 5, message
+
+
+def assert_returns(thread: threading.Thread) -> None:
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_a_waiting_role_lends_its_share_and_gets_it_back(tmp_path) -> None:
+    clock = FakeClock()
+    a, b = pair(tmp_path, clock)
     a.work()
     b.work()
     assert a.adapt() == 1
     b.wait()
+    clock.advance(BORROW_AFTER_S * 0.9)
     assert a.adapt() == 1  # a gap shorter than BORROW_AFTER_S lends nothing
-    time.sleep(cores.BORROW_AFTER_S + 0.1)
+    clock.advance(BORROW_AFTER_S * 0.2)
     assert a.adapt() == 2
     # b returns: it waits until a, at its next unit of work, hands the core back.
-    back = threading.Thread(target=b.work)
-    back.start()
-    time.sleep(0.1)
-    assert back.is_alive(), "b started beside a borrower still holding b's core"
+    back = start(b.work)
+    assert_polling(back, clock, "b started beside a borrower still holding b's core")
     assert a.adapt() == 1
-    back.join(timeout=10)
-    assert not back.is_alive()
+    assert_returns(back)
     assert (a.threads, b.threads) == (1, 1)
     # A borrower that never hands back (a long op without hooks) delays a by RETURN_WAIT_S.
-    monkeypatch.setattr(cores, "RETURN_WAIT_S", 0.3)
     a.wait()
-    time.sleep(cores.BORROW_AFTER_S + 0.1)
+    clock.advance(BORROW_AFTER_S * 1.1)
     assert b.adapt() == 2
-    start = time.monotonic()
-    a.work()
-    assert 0.3 <= time.monotonic() - start < 10
+    back = start(a.work)
+    assert_polling(back, clock, "a started beside a borrower still holding a's core")
+    clock.advance(RETURN_WAIT_S * 0.9)
+    assert_polling(back, clock, "a gave up on its share before RETURN_WAIT_S")
+    clock.advance(RETURN_WAIT_S * 0.2)
+    assert_returns(back)
 
 
 def test_borrowers_leave_the_cores_that_grading_uses(tmp_path, monkeypatch) -> None:
     """The reward service's grading processes compute without a share: while one grades, a
     borrower keeps to its own share, and borrows again once the grading ends."""
-    monkeypatch.setattr(cores, "BORROW_AFTER_S", 0.05)
-    a, b = pair(tmp_path)
+    clock = FakeClock()
+    a, b = pair(tmp_path, clock)
     monkeypatch.setenv(cores.CPU_LEDGER_ENV, str(tmp_path / "ledger"))
     monkeypatch.setenv(cores.CPU_GRADING_ENV, "2")  # after the two roles' slots
     grading = cores.Grading()
     a.work()
     b.wait()
-    time.sleep(0.15)
+    clock.advance(BORROW_AFTER_S * 1.1)
     assert a.adapt() == 2
     with grading.computing():
         assert a.adapt() == 1
@@ -93,70 +137,63 @@ def test_borrowers_split_a_lent_share_and_never_exceed_the_cores(tmp_path, monke
     """Two servers beside one trainer: a lent share is split, never taken by each borrower
     (on 2 cores, 4 threads spinning on them made a decode step 5x as costly)."""
     monkeypatch.setattr(cores, "node_cores", lambda: 64)
-    ledger = tmp_path / "ledger"
-    trainer, s1, s2 = (Cores(16, ledger, slot, 4) for slot in range(3))  # a 4th role works
+    ledger, clock = tmp_path / "ledger", FakeClock()
+    trainer, s1, s2 = (Cores(16, ledger, slot, 4, clock) for slot in range(3))  # a 4th works
     for role in (trainer, s1, s2):
         role.work()
     assert [r.adapt() for r in (trainer, s1, s2)] == [16, 16, 16]  # nothing lent
     trainer.wait()
-    time.sleep(BORROW_AFTER_S + 0.01)
+    clock.advance(BORROW_AFTER_S * 1.1)
     # The trainer's 16 cores, split among the three working roles: 6, 5 (and 5 for the 4th).
     assert [s1.adapt(), s2.adapt()] == [22, 21]
     # Back to work: the trainer waits for the servers to hand back its share, not longer.
-    monkeypatch.setattr(cores, "RETURN_WAIT_S", 30.0)
-    back = threading.Thread(target=trainer.work)
-    back.start()
-    time.sleep(0.1)
-    assert back.is_alive(), "the trainer started beside borrowers still holding its share"
+    back = start(trainer.work)
+    assert_polling(back, clock, "the trainer started beside borrowers still holding its share")
     assert [s1.adapt(), s2.adapt()] == [16, 16]
-    back.join(timeout=10)
-    assert not back.is_alive()
+    assert_returns(back)
 
 
 def test_more_roles_than_cores_lend_nothing_and_never_wait(tmp_path, monkeypatch) -> None:
     """Three roles of one thread on 2 cores: a waiting role's core is already taken."""
     monkeypatch.setattr(cores, "node_cores", lambda: 2)
-    monkeypatch.setattr(cores, "RETURN_WAIT_S", 30.0)
-    ledger = tmp_path / "ledger"
-    trainer, s1, s2 = (Cores(1, ledger, slot, 3) for slot in range(3))
+    ledger, clock = tmp_path / "ledger", FakeClock()
+    trainer, s1, s2 = (Cores(1, ledger, slot, 3, clock) for slot in range(3))
     s1.work()
     s2.work()
     trainer.wait()
-    time.sleep(BORROW_AFTER_S + 0.01)
+    clock.advance(BORROW_AFTER_S * 1.1)
     assert [s1.adapt(), s2.adapt()] == [1, 1]
-    start = time.monotonic()
-    trainer.work()  # its share was never taken: no wait
-    assert time.monotonic() - start < 1.0 and trainer.adapt() == 1
+    # Its share was never taken: no wait (on the fake clock a wait would never end).
+    assert_returns(start(trainer.work))
+    assert trainer.adapt() == 1
 
 
-def test_threads_mean_counts_working_time_only(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(cores, "BORROW_AFTER_S", 0.5)
-    a, b = pair(tmp_path)
+def test_threads_mean_counts_working_time_only(tmp_path) -> None:
+    clock = FakeClock()
+    a, b = pair(tmp_path, clock)
     b.wait()
-    t0 = time.monotonic()
     a.work()
-    time.sleep(0.6)  # one thread: b was waiting less than BORROW_AFTER_S when a started
-    t1 = time.monotonic()
-    a.adapt()
-    time.sleep(0.1)  # two threads
-    t2 = time.monotonic()
+    assert a.threads == 1  # b was waiting less than BORROW_AFTER_S when a started
+    clock.advance(0.6)  # one thread
+    assert a.adapt() == 2
+    clock.advance(0.1)  # two threads
     a.wait()
-    time.sleep(0.2)  # waiting: not counted
-    expected = ((t1 - t0) + 2 * (t2 - t1)) / (t2 - t0)
-    assert a.threads_mean() == pytest.approx(expected, abs=0.05)
+    clock.advance(0.2)  # waiting: not counted
+    assert a.threads_mean() == pytest.approx((0.6 + 2 * 0.1) / 0.7, rel=1e-9)
 
 
 def test_computing_on_lent_cores_is_recorded_as_a_borrow_span(tmp_path, monkeypatch) -> None:
     log = events.EventLog(tmp_path / "events/trainer0.jsonl", "trainer0")
     monkeypatch.setattr(events, "_log", log)
-    a, b = pair(tmp_path)
+    clock = FakeClock()
+    a, b = pair(tmp_path, clock)
     a.work()
     b.wait()
-    time.sleep(BORROW_AFTER_S + 0.01)
+    clock.advance(BORROW_AFTER_S * 1.1)
     t0 = time.time()
     assert a.adapt() == 2
     a.adapt()  # still borrowing: one span goes on
-    time.sleep(0.05)
+    time.sleep(0.05)  # the span's length, in wall-clock time (the events' clock)
     a.wait()  # a waiting role's threads sleep: the span ends
     t1 = time.time()
     a.work()  # still lent: a new span
@@ -169,7 +206,8 @@ def test_computing_on_lent_cores_is_recorded_as_a_borrow_span(tmp_path, monkeypa
 
 
 def test_the_trainer_borrows_and_hands_back_layer_by_layer(tmp_path) -> None:
-    a, b = pair(tmp_path)
+    clock = FakeClock()
+    a, b = pair(tmp_path, clock)
     model = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])  # as model.layers
     a.follow(model)
     seen: list[tuple[str, int]] = []
@@ -187,7 +225,7 @@ def test_the_trainer_borrows_and_hands_back_layer_by_layer(tmp_path) -> None:
 
     a.work()
     b.wait()
-    time.sleep(BORROW_AFTER_S + 0.01)
+    clock.advance(BORROW_AFTER_S * 1.1)
     x = torch.randn(3, 8, requires_grad=True)
     h = model[2](model[1](model[0](x)))
     h.register_hook(b_returns)  # after follow's hook on the same tensor

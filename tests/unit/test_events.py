@@ -31,7 +31,16 @@ def test_a_configured_process_samples_its_cpu_seconds(tmp_path, monkeypatch):
     busy_until = time.process_time() + 0.2
     while time.process_time() < busy_until:  # 0.2 CPU-s in this process
         pass
-    time.sleep(0.15)
+
+    def samples() -> list[dict]:
+        log.flush()
+        return [e for e in events.read_events(tmp_path) if e["kind"] == "cpu"]
+
+    deadline = time.monotonic() + 10  # until the samples cover the busy loop
+    while (len(cpu := samples()) < 3 or sum(e["cpu_s"] for e in cpu) < 0.15) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
     log.close()
     monkeypatch.setattr(events, "_log", None)
     cpu = [e for e in events.read_events(tmp_path) if e["kind"] == "cpu"]

@@ -68,14 +68,15 @@ def longtail_profile(cores: int = 2) -> Profile:
 
 
 def setting(**kw) -> Setting:
-    base = dict(batch_size=4, group_size=4, eta=2, max_concurrent=0, n_minibatches=2,
-                max_tokens_per_mb=100_000, max_new_tokens=512, steps=30)  # fmt: skip
+    base = dict(batch_size=4, group_size=4, max_staleness=2, max_concurrent=0,
+                n_minibatches=2, max_tokens_per_mb=100_000, max_new_tokens=512,
+                steps=30)  # fmt: skip
     return Setting(**{**base, **kw})
 
 
-def test_eta0_is_synchronous_and_has_the_synchronous_step_time():
+def test_max_staleness_0_is_synchronous_and_has_the_synchronous_step_time():
     p = gpu_profile()
-    r = simulate(p, setting(eta=0))
+    r = simulate(p, setting(max_staleness=0))
     assert r.staleness_mean == 0 and r.staleness_max == 0
     # A step by hand: all 16 samples of 50 tokens decode together (50 steps), then the
     # trainer (16 x 60 tokens), publishes, the server loads, and the next batch starts.
@@ -87,24 +88,24 @@ def test_eta0_is_synchronous_and_has_the_synchronous_step_time():
 
 
 def test_trainer_bound_trainer_never_waits_and_servers_are_held():
-    r = simulate(gpu_profile(token_s=1e-3), setting(eta=4))
+    r = simulate(gpu_profile(token_s=1e-3), setting(max_staleness=4))
     assert r.idle["trainer0"] < 0.02
     assert r.idle["server0"] > 0.5
     assert r.bottleneck.startswith("trainer")
 
 
-@pytest.mark.parametrize("eta", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("bound", [0, 1, 2, 4, 8])
 @pytest.mark.parametrize("servers", [1, 2])
-def test_staleness_never_exceeds_eta(eta, servers):
-    s = setting(eta=eta, n_servers=servers, batch_size=2, max_concurrent=16, steps=25)
+def test_staleness_never_exceeds_max_staleness(bound, servers):
+    s = setting(max_staleness=bound, n_servers=servers, batch_size=2, max_concurrent=16, steps=25)
     r = simulate(longtail_profile(), s)
-    assert r.staleness_max <= eta
+    assert r.staleness_max <= bound
     assert max(r.staleness_hist) == r.staleness_max
 
 
-def test_a_larger_eta_is_staler_and_faster_when_generation_bound():
+def test_a_larger_max_staleness_is_staler_and_faster_when_generation_bound():
     p = longtail_profile()
-    rs = [simulate(p, setting(eta=e, batch_size=2, max_concurrent=16)) for e in (0, 4)]
+    rs = [simulate(p, setting(max_staleness=e, batch_size=2, max_concurrent=16)) for e in (0, 4)]
     assert rs[1].throughput > 1.2 * rs[0].throughput
     assert rs[1].staleness_mean > 0.5
 
@@ -122,33 +123,33 @@ def test_lending_lets_the_trainer_use_a_held_servers_core():
     server is held, so it is faster than the fixed split by up to the speed-up."""
     p = longtail_profile()
     p.train.token_s = 1e-3
-    lent, fixed = (simulate(p, setting(eta=4, lend=lend)) for lend in (True, False))
+    lent, fixed = (simulate(p, setting(max_staleness=4, lend=lend)) for lend in (True, False))
     assert 1.2 < lent.throughput / fixed.throughput <= 1.5 + 1e-9
 
 
 def test_three_roles_on_two_cores_slow_each_other():
     p = longtail_profile()
     p.decode.speedup = p.train.speedup = {1: 1.0}
-    two = simulate(p, setting(n_servers=2, eta=4, batch_size=2, max_concurrent=8))
+    two = simulate(p, setting(n_servers=2, max_staleness=4, batch_size=2, max_concurrent=8))
     p.cores = 3
-    three = simulate(p, setting(n_servers=2, eta=4, batch_size=2, max_concurrent=8))
+    three = simulate(p, setting(n_servers=2, max_staleness=4, batch_size=2, max_concurrent=8))
     assert three.throughput > 1.1 * two.throughput
 
 
 def test_server_time_per_group_slows_generation():
     p = gpu_profile(step_s=1e-3, token_s=1e-6)
-    fast = simulate(p, setting(eta=4, max_concurrent=8))
+    fast = simulate(p, setting(max_staleness=4, max_concurrent=8))
     p.decode.group_s = 0.01  # 8 groups a step at most, 10 ms each, beside ~50 ms of steps
-    slow = simulate(p, setting(eta=4, max_concurrent=8))
+    slow = simulate(p, setting(max_staleness=4, max_concurrent=8))
     assert slow.throughput < 0.9 * fast.throughput
 
 
 def test_interrupts_reprefill_the_partial_outputs():
     p = longtail_profile()
-    r = simulate(p, setting(eta=4, batch_size=2, max_concurrent=16))
+    r = simulate(p, setting(max_staleness=4, batch_size=2, max_concurrent=16))
     assert r.interrupted > 0 and r.prefilled > 0
-    r0 = simulate(p, setting(eta=0, batch_size=2, max_concurrent=16))
-    assert r0.interrupted == 0  # at eta=0 every update finds the server idle
+    r0 = simulate(p, setting(max_staleness=0, batch_size=2, max_concurrent=16))
+    assert r0.interrupted == 0  # at max_staleness=0 every update finds the server idle
 
 
 def test_without_interrupts_updates_wait_for_running_samples():
@@ -156,7 +157,7 @@ def test_without_interrupts_updates_wait_for_running_samples():
     samples finish (new ones held back), so nothing is re-prefilled, the bound still holds,
     and a long tail makes it slower than interrupting."""
     p = longtail_profile()
-    s = dict(eta=4, batch_size=2, max_concurrent=16)
+    s = dict(max_staleness=4, batch_size=2, max_concurrent=16)
     drain, interrupt = (simulate(p, setting(**s, interruptible=i)) for i in (False, True))
     assert drain.interrupted == 0 and interrupt.interrupted > 0
     assert drain.staleness_max <= 4
@@ -390,7 +391,7 @@ def test_not_a_run_directory(tmp_path):
 
 
 def test_cli_prints_the_fit_and_warns_of_a_poor_one(tmp_path, capsys):
-    args = ["--config", str(ROOT / "configs/tiny_longtail.yaml"), "--etas", "0,2",
+    args = ["--config", str(ROOT / "configs/tiny_longtail.yaml"), "--max-staleness", "0,2",
             "--steps", "12", "--cores", "2", "trainer.batch_size=2"]  # fmt: skip
     assert cli.main([*args, "--profile", str(synthetic_run(tmp_path / "good"))]) == 0
     out = capsys.readouterr().out
@@ -442,7 +443,7 @@ def test_cli_on_a_synthetic_run(tmp_path, capsys):
     run = synthetic_run(tmp_path / "run")
     saved = tmp_path / "profile.json"
     args = ["--config", str(ROOT / "configs/tiny_longtail.yaml"), "--profile", str(run),
-            "--etas", "0,2", "--servers", "1,2", "--steps", "12", "--cores", "2",
+            "--max-staleness", "0,2", "--servers", "1,2", "--steps", "12", "--cores", "2",
             "--save-profile", str(saved), "trainer.batch_size=2"]  # fmt: skip
     assert cli.main(args) == 0
     out = capsys.readouterr().out
@@ -457,8 +458,16 @@ def test_cli_on_a_synthetic_run(tmp_path, capsys):
     assert load_profile(saved).device == "cpu"
     assert cli.main(["--json", *args[:-3], *args[-1:]]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["eta"] for r in rows] == [0, 2, 0, 2]
-    assert all(r["staleness_max"] <= r["eta"] for r in rows)
+    assert [r["max_staleness"] for r in rows] == [0, 2, 0, 2]
+    assert all(r["staleness_max"] <= r["max_staleness"] for r in rows)
+    # --etas, the option's old name, still works, and says it is deprecated.
+    old = ["--config", str(ROOT / "configs/tiny_longtail.yaml"), "--profile", str(saved),
+           "--etas", "2", "--servers", "1", "--steps", "12", "--json",
+           "trainer.batch_size=2"]  # fmt: skip
+    assert cli.main(old) == 0
+    out, err = capsys.readouterr()
+    assert [r["max_staleness"] for r in json.loads(out)] == [2]
+    assert "--etas is deprecated: use --max-staleness" in err
     # Two profiling runs, comma-separated, pool into one fit.
     pooled = [*args[:3], f"{run},{synthetic_run(tmp_path / 'sync', seed=3)}", *args[4:]]
     assert cli.main(pooled) == 0

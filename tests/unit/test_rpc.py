@@ -280,7 +280,7 @@ def test_sync_client_against_server_in_a_thread() -> None:
                 client.call("fail", msg="boom")
             with pytest.raises(RpcTimeout, match=f"'slow' from {server.address}"):
                 client.call("slow", timeout=0.05, delay=0.15, value="stale")
-            time.sleep(0.2)  # the stale reply is now queued ahead of the next one
+            assert client._sock.poll(10_000)  # the stale reply, queued ahead of the next one
             assert client.call("slow", timeout=1, delay=0, value="fresh") == "fresh"
         finally:
             client.close()

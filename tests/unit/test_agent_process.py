@@ -1,6 +1,7 @@
-"""The agent process's side, in process: every async episode on one loop, plain functions on
-threads, one connection pool that an agent cannot close for the others, and a watchdog that
-names an episode blocking the loop. (Whole agent processes: tests/system/test_agent_*.py.)"""
+"""The agent process (areal/workflow/agent_process.py), in process: every async episode on one
+loop, plain functions on threads, one connection pool that an agent cannot close for the
+others, and a watchdog that names an episode blocking the loop. (Whole agent processes:
+tests/system/test_agent_*.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from areal.workflow.agent_host import _Host
+from areal.workflow.agent_process import _Host
 
 pytest.importorskip("openai")
 
