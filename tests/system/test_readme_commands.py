@@ -75,7 +75,7 @@ def test_the_docs_commands_run_as_written(tmp_path):
     again = train(objectives, "ppo.recipe=gspo", tmp_path).stdout  # again: nothing is lost
     assert "is finished (its checkpoint has 2 of 2 steps); nothing was changed" in again
 
-    lora = train("docs/guides/lora.md", "model.lora.rank=16", tmp_path).stdout
+    lora = train("docs/guides/lora.md", "trainer.lr=2e-3 trial_name=lora", tmp_path).stdout
     assert "LoRA on: rank 16" in lora
     export = run(doc_command("docs/guides/lora.md", "areal.export /tmp/areal/tiny/lora"), tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
