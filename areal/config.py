@@ -640,6 +640,16 @@ class PPOConfig(Section):
         self._check_types()
         self._check_values()
 
+    def _check_cispo(self) -> None:
+        """CISPO's own knobs need loss=cispo."""
+        if self.cispo_mask and self.loss != "cispo":
+            self._fail("cispo_mask", f"is CISPO's token mask; loss={self.loss} (use loss=cispo)")
+        self._one_of("cispo_ratio", ("proximal", "behaviour"))
+        if self.cispo_ratio == "behaviour" and self.loss != "cispo":
+            self._fail(
+                "cispo_ratio", f"is CISPO's clipped ratio; loss={self.loss} (use loss=cispo)"
+            )
+
     def _check_values(self) -> None:
         if not 0 < self.eps_clip <= 1:
             self._fail("eps_clip", f"must be in (0, 1], got {self.eps_clip!r} (0.2 is the paper's)")
@@ -684,13 +694,7 @@ class PPOConfig(Section):
             )
         self._one_of("importance_sampling_level", ("token", "sequence", "sequence_token"))
         self._one_of("loss", ("ppo", "cispo", "sapo"))
-        if self.cispo_mask and self.loss != "cispo":
-            self._fail("cispo_mask", f"is CISPO's token mask; loss={self.loss} (use loss=cispo)")
-        self._one_of("cispo_ratio", ("proximal", "behaviour"))
-        if self.cispo_ratio == "behaviour" and self.loss != "cispo":
-            self._fail(
-                "cispo_ratio", f"is CISPO's clipped ratio; loss={self.loss} (use loss=cispo)"
-            )
+        self._check_cispo()
         if self.loss == "sapo":
             if self.sapo_tau_pos is None or self.sapo_tau_neg is None:
                 self._fail(

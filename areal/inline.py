@@ -33,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import importlib
 import logging
-import pickle
 import shutil
 import sys
 import threading
@@ -375,6 +375,17 @@ class _Episodes:
     workflow: Workflow | None = None
 
 
+def _importable(fn: Any) -> bool:
+    """Whether a pool process finds `fn` by its module and name (how it travels there)."""
+    try:
+        obj = importlib.import_module(fn.__module__)
+        for part in fn.__qualname__.split("."):
+            obj = getattr(obj, part)
+    except (AttributeError, ImportError, TypeError):
+        return False
+    return obj is fn
+
+
 def _episodes(task: Any, cfg: ExperimentConfig) -> _Episodes:
     from areal.tasks import Task, load_task
     from areal.workflow import as_workflow, is_workflow
@@ -385,14 +396,12 @@ def _episodes(task: Any, cfg: ExperimentConfig) -> _Episodes:
         return _Episodes(load_task(task), task)
     if isinstance(task, Task):
         if not task.grade_inline:  # graded in the reward pool: it must travel there
-            try:
-                pickle.dumps(task.is_correct)
-            except Exception as e:
+            if not _importable(task.is_correct):
                 raise ValueError(
                     f"task {task.name!r}: its is_correct is graded in a pool process and must "
-                    f"be a module-level function ({e}); or set grade_inline=True (a cheap "
-                    "grader that cannot hang)"
-                ) from None
+                    "be a module-level function (the pool imports it by name); or set "
+                    "grade_inline=True (a cheap grader that cannot hang)"
+                )
         return _Episodes(task, task.name, {task.name: task})
     if is_workflow(task):
         workflow = as_workflow(task, cfg.rollout)
