@@ -62,14 +62,19 @@ def test_a_distributed_run_trains_on_the_weights_it_broadcasts(tmp_path):
     assert [p.name for p in (exp_dir / "weights").iterdir()] == ["v000010"]
 
 
-def test_a_server_killed_during_an_update_comes_back_and_rejoins(tmp_path):
+@pytest.mark.parametrize(
+    "lora", [(), ("model.lora.rank=16", "trainer.lr=2e-3")], ids=["full", "lora"]
+)
+def test_a_server_killed_during_an_update_comes_back_and_rejoins(tmp_path, lora):
     """Server 0 stops (SIGSTOP) as the next update starts: the trainer's broadcast fails at
     the group's deadline and goes on, the update finishes without it, which is down; killed,
-    it restarts on the newest version on disk and joins a new group; the run never hangs."""
+    it restarts on the newest version on disk and joins a new group; the run never hangs.
+    With model.lora the versions are adapters: the restarted server merges the newest adapter
+    directory into its base, then the broadcast adapters again (fresh log-probs equal)."""
     exp_dir = tmp_path / "tiny/bcast_kill"
     overrides = (
         "total_train_steps=100000", "trial_name=bcast_kill", "rollout.n_servers=2",
-        "weights.disk_every=2", *DISTRIBUTED,
+        "weights.disk_every=2", *DISTRIBUTED, *lora,
     )  # fmt: skip
     controller_log = exp_dir / "logs/controller0.log"
     with launched(tmp_path, *overrides) as launcher:
