@@ -37,6 +37,7 @@ import datetime
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -258,6 +259,16 @@ _CHUNK = 1 << 20
 while still in cache (about twice as fast as whole tensors at a time, measured)."""
 
 
+def _changed(now: torch.Tensor, was: torch.Tensor) -> torch.Tensor:
+    """[k] int64: the positions where now and was differ. On CPU numpy's flatnonzero, which
+    takes half of torch's nonzero's time (0.13 against 0.27 s over 136M entries, measured):
+    it was the largest part of encoding a delta."""
+    differ = now != was
+    if differ.device.type != "cpu":
+        return differ.nonzero().view(-1)
+    return torch.from_numpy(np.flatnonzero(differ.numpy()))
+
+
 def encode_delta(name: str, new: torch.Tensor, old: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """`new` as the entries that differ from `old` (what the receiver holds): name:gap8,
     name:gap16 or name:bits (their positions, the smallest of the three), name:val (their
@@ -272,7 +283,7 @@ def encode_delta(name: str, new: torch.Tensor, old: torch.Tensor) -> list[tuple[
     gaps, values, nnz = [], [], 0
     last = torch.full((1,), -1, dtype=torch.int64, device=new.device)
     for start in range(0, n, chunk):
-        pos = (now[start : start + chunk] != was[start : start + chunk]).nonzero().view(-1)
+        pos = _changed(now[start : start + chunk], was[start : start + chunk])
         if pos.numel() == 0:
             continue
         values.append(flat[start : start + chunk][pos])
