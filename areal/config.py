@@ -303,6 +303,8 @@ class WeightsConfig(Section):
     """With transport=distributed: tensors per update request, in MiB (a server holds one bucket beside its weights while it receives)."""  # noqa: E501
     delta: bool = False
     """With transport=distributed: send only what changed since the version every server of the group holds (each tensor's changed entries, their positions and a checksum of the result; whole where that is smaller), whole tensors to a new group. The trainer keeps a copy of the last version sent. Pays off for bf16 weights at RL learning rates (most entries round to the same bf16 value step to step); embedded servers only, and not with model.lora (every entry of a float32 adapter changes every step)."""  # noqa: E501
+    shared_memory: bool = True
+    """With transport=distributed over gloo (embedded and vLLM servers): where every server listens on the trainer's node, the tensors go through files in /dev/shm that the trainer writes once and each server maps (gloo only for the handshakes), instead of gloo's TCP to each server in turn. false: always the socket."""  # noqa: E501
     timeout_s: float = 120.0
     """With transport=distributed: seconds a rank waits for the others to join the group or for one broadcast before the update fails (the servers that missed it load the newest version from disk; the next update forms a new group)."""  # noqa: E501
 

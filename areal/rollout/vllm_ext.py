@@ -183,7 +183,7 @@ class AReaLWorker:
         self.areal_destroy_weights_group()
         rank = rank_offset + get_tensor_model_parallel_rank()
         # Received tensors land where the group's collectives run.
-        cuda = backend != "gloo"
+        cuda = backend == "nccl"
         self._areal_device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
         self._areal_group = weight_group.open_group(
             backend=backend,

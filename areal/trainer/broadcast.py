@@ -15,7 +15,10 @@ and the group dropped: the servers that missed it load the newest version on dis
 next version is sent in a new group. Disk stays the source of truth for recovery: a server
 that restarts loads the newest version there, then joins at the next broadcast.
 
-gloo unless the servers are SGLang's (NCCL between GPUs); the group's device follows.
+gloo unless the servers are SGLang's (NCCL between GPUs); the group's device follows. Where
+every server listens on this node (weights.shared_memory), gloo carries only the handshakes
+and the bytes go through /dev/shm (weight_group's "shm"): decided for each new group, and
+dropped for the run if a server cannot map the files (another node after all).
 
 model.lora: a version is the adapter alone (backend.hf_tensors: PEFT's names, float32 as
 trained and as the adapter directory holds them), each layer's A and B in one bucket, sent
@@ -28,14 +31,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import shutil
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
 from areal import weight_group
 from areal.comm.net import advertised_host, free_port
+from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
 from areal.lora import adapter_leaves, layer_of, merged_cost, peft_config, write_adapter
@@ -56,6 +62,8 @@ class WeightBroadcaster:
         self.bucket_bytes = int(cfg.weights.bucket_mb * 2**20)
         self.backend = "nccl" if cfg.inference.backend == "sglang" else "gloo"
         self.device = "cuda" if self.backend == "nccl" else "cpu"
+        self.shared_memory = self.backend == "gloo" and cfg.weights.shared_memory
+        """The bytes through /dev/shm where every server is on this node (see _group_backend)."""
         self.host = advertised_host()
         self.group: weight_group.Group | None = None
         self.on_disk: tuple[int, str] = (version, str(model_dir))
@@ -100,6 +108,9 @@ class WeightBroadcaster:
             self._to_disk(version, named)
         full = list(weight_group.buckets(named, self.bucket_bytes, *self._lora_bucketing(named)))
         delta = self._delta(named)
+        backend = self._group_backend(_nbytes([named]))
+        if self.group is not None and self.group.backend != backend:
+            self.close_group()  # a new group with the other backend
         group = controller.call(
             "weights_ready",
             version=version,
@@ -115,7 +126,7 @@ class WeightBroadcaster:
                 "lora_config": self._lora_config(named),
                 "master_address": self.host,
                 "master_port": free_port(),
-                "backend": self.backend,
+                "backend": backend,
                 "timeout_s": self.cfg.weights.timeout_s,
                 "new_group": self.group is None,
             },
@@ -129,7 +140,7 @@ class WeightBroadcaster:
                 return  # no server serves: each loads the newest on disk once back
             if self.group is None:
                 self.group = weight_group.open_group(
-                    backend=self.backend,
+                    backend=backend,
                     master_address=self.host,
                     master_port=group["master_port"],
                     rank=0,
@@ -140,6 +151,8 @@ class WeightBroadcaster:
             for bucket in sent:
                 weight_group.send(self.group, [t for _, t in bucket])
         except Exception as e:  # noqa: BLE001 (any failure of the group: drop it, go on)
+            if isinstance(e, weight_group.NotShared):
+                self.shared_memory = False
             log.warning(
                 "broadcasting version %d failed (%s: %s): the servers that missed it load it "
                 "from disk; the next version goes to a new group",
@@ -156,6 +169,26 @@ class WeightBroadcaster:
             "weights/sent_bytes": float(_nbytes(sent) * servers),
             "weights/full_bytes": float(_nbytes(full) * servers),
         }
+
+    def _group_backend(self, version_bytes: int) -> str:
+        """shm when every registered server listens on this node's address and /dev/shm has
+        room for a version (a vLLM server holds every bucket of one until the last), else
+        the socket's backend."""
+        if not self.shared_memory:
+            return self.backend
+        registry = Registry(self.cfg.exp_dir)
+        hosts = set()
+        for k in range(self.cfg.rollout.n_servers):
+            try:
+                hosts.add(urlsplit(registry.path("server", k).read_text()).hostname)
+            except OSError:  # not up: decided again for the group it joins
+                continue
+        try:
+            room = shutil.disk_usage(weight_group.SHM_DIR).free
+        except OSError:
+            return self.backend
+        here = hosts <= {self.host}
+        return "shm" if here and room > version_bytes + self.bucket_bytes else self.backend
 
     def _delta(self, named: list[tuple[str, torch.Tensor]]) -> list | None:
         """The buckets of what changed since the version the group holds (weights.delta),

@@ -63,7 +63,10 @@ def test_a_distributed_run_trains_on_the_weights_it_broadcasts(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "lora", [(), ("model.lora.rank=16", "trainer.lr=2e-3")], ids=["full", "lora"]
+    "lora",
+    # The LoRA run sends over gloo's sockets, the other through /dev/shm: a whole run each.
+    [(), ("model.lora.rank=16", "trainer.lr=2e-3", "weights.shared_memory=false")],
+    ids=["full", "lora"],
 )
 def test_a_server_killed_during_an_update_comes_back_and_rejoins(tmp_path, lora):
     """Server 0 stops (SIGSTOP) as the next update starts: the trainer's broadcast fails at
@@ -112,6 +115,8 @@ def test_a_server_killed_during_an_update_comes_back_and_rejoins(tmp_path, lora)
     back = log0.index("is back at version")
     assert "received version" in log0[back:], log0[-3000:]
     assert "loaded version" in log0[log0.index("is down") : back], log0[-3000:]
+    backend = "gloo" if lora else "shm"
+    assert f"as rank 1 of 3 ({backend}, " in (exp_dir / "logs/server0.log").read_text()
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
 
 

@@ -16,9 +16,9 @@ from areal.comm.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
-NAMES = ["a", "b", "c"]
-DTYPES = ["bfloat16", "float32", "int64"]
-SHAPES = [[3, 4], [100_000], [5]]
+NAMES = ["a", "b", "c", "d", "e"]
+DTYPES = ["bfloat16", "float32", "uint8", "int64", "float32"]
+SHAPES = [[3, 4], [100_000], [7], [5], [0]]  # an odd size before an int64: alignment
 
 
 def _tensors() -> list[torch.Tensor]:
@@ -26,14 +26,20 @@ def _tensors() -> list[torch.Tensor]:
     return [
         torch.randn(3, 4, generator=g).to(torch.bfloat16),
         torch.randn(100_000, generator=g),
+        torch.arange(7, dtype=torch.uint8),
         torch.arange(5),
+        torch.zeros(0),
     ]
 
 
-def _receiver(port: int, rank: int, world: int, out: mp.Queue, timeout_s: float) -> None:
+def _receiver(
+    port: int, rank: int, world: int, out: mp.Queue, timeout_s: float, backend: str = "gloo",
+    shm_dir: str = wg.SHM_DIR,
+) -> None:  # fmt: skip
+    wg.SHM_DIR = shm_dir  # another node's /dev/shm, for the test that cannot map
     try:
         group = wg.open_group(
-            backend="gloo", master_address="127.0.0.1", master_port=port, rank=rank,
+            backend=backend, master_address="127.0.0.1", master_port=port, rank=rank,
             world_size=world, group_name="g", timeout_s=timeout_s,
         )  # fmt: skip
         got = wg.receive(group, NAMES, DTYPES, SHAPES)
@@ -49,16 +55,20 @@ def _spawn(target, *args) -> mp.Process:
     return p
 
 
-def test_every_rank_receives_the_tensors_bit_for_bit():
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_every_rank_receives_the_tensors_bit_for_bit(backend):
+    """gloo over TCP, or shm: the same bytes through one file in /dev/shm, gone once every
+    receiver has mapped it."""
     port, world = free_port("127.0.0.1"), 3
     out = mp.get_context("spawn").Queue()
-    procs = [_spawn(_receiver, port, r, world, out, 60.0) for r in (1, 2)]
+    procs = [_spawn(_receiver, port, r, world, out, 60.0, backend) for r in (1, 2)]
     group = wg.open_group(
-        backend="gloo", master_address="127.0.0.1", master_port=port, rank=0,
+        backend=backend, master_address="127.0.0.1", master_port=port, rank=0,
         world_size=world, group_name="g", timeout_s=60,
     )  # fmt: skip
     sent = _tensors()
     wg.send(group, sent)
+    assert not [f for f in os.listdir(wg.SHM_DIR) if f.startswith(f"areal-{os.getpid()}-")]
     replies = dict(out.get(timeout=60) for _ in procs)
     for p in procs:
         p.join(30)
@@ -68,6 +78,27 @@ def test_every_rank_receives_the_tensors_bit_for_bit():
         assert isinstance(got, dict), got
         for name, t in zip(NAMES, sent, strict=True):
             assert got[name] == t.tolist(), name
+
+
+def test_a_receiver_that_cannot_map_the_shared_bucket_fails_both_sides_at_once(tmp_path):
+    """A receiver on another node (here: another /dev/shm) says so in the handshake: the
+    sender fails with what to do, long before the group's deadline, and leaves no file."""
+    port = free_port("127.0.0.1")
+    out = mp.get_context("spawn").Queue()
+    proc = _spawn(_receiver, port, 1, 2, out, 60.0, "shm", str(tmp_path))
+    group = wg.open_group(
+        backend="shm", master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+        group_name="g", timeout_s=60,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not map .*weights.shared_memory=false"):
+        wg.send(group, _tensors())
+    assert time.monotonic() - t0 < 10
+    rank, reply = out.get(timeout=30)
+    assert "could not map the shared bucket" in reply and "No such file" in reply, reply
+    assert not [f for f in os.listdir(wg.SHM_DIR) if f.startswith(f"areal-{os.getpid()}-")]
+    proc.join(10)
+    group.close()
 
 
 def test_a_rank_that_never_joins_fails_the_others_within_the_deadline():
