@@ -95,8 +95,9 @@ class Task:
     """(dataset_cfg, seed) -> supervised batches for the tiny model (None: no warm-up data;
     a run without model.path then gets the arith model)."""
     options: type | None = None
-    """Its own options (dataset.options): a dataclass subclassing areal.config.Section, whose
-    fields are checked as the config's are (None: it takes none); `options_of` parses them."""
+    """Its own options (dataset.options): a dataclass subclassing areal.config_loader.Section,
+    whose fields are checked as the config's are (None: it takes none); `options_of` parses
+    them."""
 
     def __post_init__(self) -> None:
         assert (self.generate is None) != (self.from_record is None), (
