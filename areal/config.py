@@ -572,7 +572,8 @@ class ExperimentConfig(Section):
         load_backend(self.inference.backend).check(self)
 
     def _check_weights(self) -> None:
-        """weights.transport=distributed against the launcher, model.lora and the servers."""
+        """weights.transport=distributed against the launcher, model.lora and what the
+        inference backend's servers take over the group (its InferenceBackend says)."""
         if self.weights.transport == "disk":
             return
         if self.launcher.type == "inline":
@@ -580,25 +581,29 @@ class ExperimentConfig(Section):
                 "weights.transport=distributed: launcher.type=inline runs the trainer and the "
                 "engine in one process; use weights.transport=disk"
             )
+        from areal.rollout.backends import load_backend
+
+        servers = load_backend(self.inference.backend)
         if self.model.lora.enabled:
-            self._check_lora_weights()
-        if self.weights.delta and self.inference.backend != "embedded":
+            self._check_lora_weights(servers)
+        if self.weights.delta and not servers.takes_deltas:
             raise ConfigError(
-                "weights.delta needs inference.backend=embedded (SGLang's servers take whole "
-                "tensors only); set weights.delta=false"
+                f"weights.delta needs inference.backend={_backends_that('takes_deltas')} "
+                "(SGLang's servers take whole tensors only); set weights.delta=false"
             )
 
-    def _check_lora_weights(self) -> None:
+    def _check_lora_weights(self, servers: Any) -> None:
         """model.lora with weights.transport=distributed: the adapter's tensors go over the
-        group to embedded servers, which merge them (load_format "lora")."""
-        if self.inference.backend != "embedded":
+        group to servers that merge them (load_format "lora")."""
+        if not servers.takes_adapter_tensors:
             # vLLM's and SGLang's servers serve an adapter unmerged, loaded by path; neither
             # takes adapter tensors over a weight-update group (SGLang's
             # /load_lora_adapter_from_tensors takes pickled tensors from the same host).
             raise ConfigError(
                 f"model.lora with weights.transport=distributed needs "
-                f"inference.backend=embedded: {self.inference.backend}'s servers load each "
-                "adapter by path; use weights.transport=disk (an adapter is small)"
+                f"inference.backend={_backends_that('takes_adapter_tensors')}: "
+                f"{self.inference.backend}'s servers load each adapter by path; use "
+                "weights.transport=disk (an adapter is small)"
             )
         if self.weights.delta:
             raise ConfigError(
@@ -633,6 +638,13 @@ class ExperimentConfig(Section):
     @property
     def exp_dir(self) -> Path:
         return Path(self.fileroot) / self.experiment_name / self.trial_name
+
+
+def _backends_that(capability: str) -> str:
+    """The inference backends whose servers have `capability`, for a message."""
+    from areal.rollout.backends import load_backend, names
+
+    return " or ".join(n for n in names() if getattr(load_backend(n), capability))
 
 
 # ---- bound to this schema (the generic machinery is in areal/config_loader.py) ---------------
