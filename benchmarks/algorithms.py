@@ -4,8 +4,8 @@
         [--etas 0 4 16] [--seeds 2] [--steps 60] [--target 1.0] [--png FILE] [key=value ...]
     python benchmarks/algorithms.py --prox [--repeats 5] [--n-minibatches 4]
 
-Recipes: each recipe (ppo.recipe, areal/trainer/ppo_config.py RECIPES) trains the config at each
-max_staleness in --etas, one run per seed, as `python -m areal.train` in a temporary file
+Recipes: each recipe (ppo.recipe, RECIPES in areal/trainer/ppo_config.py) trains the config
+at each max_staleness in --etas, one run per seed, as `python -m areal.train` in a temporary file
 root; runs are interleaved so that every recipe sees the same machine. Prints per recipe
 and eta the medians over seeds of the final reward (mean reward/mean over the last tenth
 of the steps), the wall time until the 10-step moving mean of the reward first reaches
