@@ -5,8 +5,9 @@
     overrides ──┘        (unknown key: ConfigError naming the closest valid one)
 
 It knows nothing of areal's keys: `areal/config.py` holds the schema (the dataclasses, their
-documented fields and checks) and binds these functions to its root, `ExperimentConfig`.
-A section is any dataclass; a leaf is a bool, int, float, str, a list of one of them, or one
+documented fields and checks; the objective's sections are areal/trainer/ppo_config.py's) and
+binds these functions to its root, `ExperimentConfig`. A section is any dataclass (`Section`
+gives it the shared checks); a leaf is a bool, int, float, str, a list of one of them, or one
 of them or null; a dict leaf holds a plugin's options (`dataset.options.max_operand=3`
 reaches into it), which the plugin's own section checks (build(..., at=...)). Standard
 library and PyYAML only: every role imports this first.
@@ -23,7 +24,7 @@ import typing
 from collections.abc import Iterable, Iterator, Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import yaml
 
@@ -103,6 +104,47 @@ def convert_checked(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(
             f"{key} expects {_type_name(tp)}, got {short(value)} ({type(value).__name__}){hint}"
         ) from None
+
+
+# ---- sections ------------------------------------------------------------------------------
+
+
+class Section:
+    """A config section with its shared checks; `_section` is its dotted path, so messages
+    name keys. A plugin's options (a task's: dataset.options) are a Section too."""
+
+    _section: ClassVar[str] = ""
+
+    def _key(self, name: str) -> str:
+        return f"{self._section}.{name}" if self._section else name
+
+    def _fail(self, name: str, msg: str) -> NoReturn:
+        raise ConfigError(f"{self._key(name)} {msg}")
+
+    def _check_types(self) -> None:
+        # Runs first in every __post_init__ so that direct construction and loading share
+        # one type check, and int -> float is normalised once.
+        hints = typing.get_type_hints(type(self))  # a plugin's section may postpone them
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            setattr(self, f.name, convert_checked(value, hints[f.name], self._key(f.name)))
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not value > 0:  # `not >` also rejects NaN
+                self._fail(name, f"must be > 0, got {value!r}")
+
+    def _non_negative(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not value >= 0:
+                self._fail(name, f"must be >= 0, got {value!r}")
+
+    def _one_of(self, name: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            self._fail(name, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
 # ---- keys ----------------------------------------------------------------------------------

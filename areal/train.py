@@ -194,8 +194,8 @@ def check_loggers_installed(cfg: ExperimentConfig) -> None:
 
 def setup_lines(cfg: ExperimentConfig) -> list[str]:
     """The objective, and what is on beyond the paper's default: LoRA, a reference model."""
-    from areal.config import PPOConfig
     from areal.trainer.optimizer import OptimizerSpec
+    from areal.trainer.ppo_config import PPOConfig
 
     objective = cfg.ppo.summary()
     default = PPOConfig().with_lengths(cfg.rollout.max_new_tokens).summary()

@@ -4,8 +4,8 @@
         [--etas 0 4 16] [--seeds 2] [--steps 60] [--target 1.0] [--png FILE] [key=value ...]
     python benchmarks/algorithms.py --prox [--repeats 5] [--n-minibatches 4]
 
-Recipes: each recipe (ppo.recipe, areal/config.py RECIPES) trains the config at each
-max_staleness in --etas, one run per seed, as `python -m areal.train` in a temporary file
+Recipes: each recipe (ppo.recipe, RECIPES in areal/trainer/ppo_config.py) trains the config
+at each max_staleness in --etas, one run per seed, as `python -m areal.train` in a temporary file
 root; runs are interleaved so that every recipe sees the same machine. Prints per recipe
 and eta the medians over seeds of the final reward (mean reward/mean over the last tenth
 of the steps), the wall time until the 10-step moving mean of the reward first reaches
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tiny_run import TINY, effective_throughput, train_tiny
 
-from areal.config import RECIPES
+from areal.trainer.ppo_config import RECIPES
 
 
 def reward(x: dict) -> float:
@@ -118,8 +118,8 @@ def prox_main(args: argparse.Namespace) -> None:
     import torch
     from trainer import make_model, make_trajectories
 
-    from areal.config import PPOConfig
     from areal.trainer.optimizer import OptimizerSpec
+    from areal.trainer.ppo_config import PPOConfig
     from areal.trainer.step import train_step
     from areal.trainer.torch_backend import TorchBackend
 

@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer import make_model, make_trajectories  # noqa: E402
 
-from areal.config import PPOConfig  # noqa: E402
 from areal.trainer.critic import TorchCritic  # noqa: E402
 from areal.trainer.optimizer import OptimizerSpec  # noqa: E402
+from areal.trainer.ppo_config import PPOConfig  # noqa: E402
 from areal.trainer.step import train_step  # noqa: E402
 from areal.trainer.torch_backend import TorchBackend  # noqa: E402
 

@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 from areal.config import RewardConfig
-from areal.reward import sandbox
-from areal.reward.math import MAX_ANSWER_CHARS, last_boxed, verify_answer
 from areal.reward.service import RewardService
 from areal.tasks import load_task
+from areal.tasks.graders import sandbox
+from areal.tasks.graders.math import MAX_ANSWER_CHARS, last_boxed, verify_answer
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = 8

@@ -81,7 +81,7 @@ def make_backend(args: argparse.Namespace):
 
 def run_train(args: argparse.Namespace) -> dict:
     """--steps PPO steps of one variant in this process: peak RSS, tokens/s."""
-    from areal.config import PPOConfig
+    from areal.trainer.ppo_config import PPOConfig
     from areal.trainer.step import train_step
 
     sys.path.insert(0, str(HERE))

@@ -6,19 +6,20 @@ staleness, its recommendation against a hand-measured grid, and the paper's 1.5B
         [--model CONFIG=DIR ...] [--repeats 3] [--reuse] [--timeout-s 900] [--no-paper]
 
 Per config: TWO profiling runs (the config as it is, and at max_staleness=0, `--steps` steps
-each) are calibrated (areal/planner/calibrate.py); every grid point (servers x eta) is then
-`--repeats` runs of its own (taken round the grid; the medians of throughput and of staleness
-are compared), predicted from that profile alone, never from themselves. Effective
-throughput is the paper's
-(benchmarks/tiny_run.effective_throughput: tokens trained per second, the first fifth of the
-steps left out); staleness is the mean over the same steps. Runs go one at a time. The
-"own lens" column predicts with the same costs on the answer lengths that run trained on:
-the policy sets them (they move with eta and by chance), and tokens/s moves with them.
+each) are calibrated (areal/planner/calibrate.py); every grid point (servers x max_staleness)
+is then `--repeats` runs of its own (taken round the grid; the medians of throughput and of
+staleness are compared), predicted from that profile alone, never from themselves. Effective
+throughput is the paper's (benchmarks/tiny_run.effective_throughput: tokens trained per
+second, the first fifth of the steps left out); staleness is the mean over the same steps.
+Runs go one at a time. The "own lens" column predicts with the same costs on the answer
+lengths that run trained on: the policy sets them (they move with max_staleness and by
+chance), and tokens/s moves with them.
 The recommendation check: the planner's choice on the config's grid, and where it lands
 among the measured points (target: within 10% of the best). The paper's setting: the
 1.5B config on 16 x 8 GPUs from the h200 profile (costs.gpu_h200: what is assumed is listed),
-eta=8 against eta=0, on the 3/4 split and colocated (eta=0 on all 128 GPUs, as synchronous
-systems run), against the paper's ~2.5x.
+max_staleness=8 against 0, on the 3/4 split and colocated (max_staleness=0 on all 128 GPUs,
+as synchronous systems run), against the paper's ~2.5x. The output names max_staleness as
+the config does (the paper's eta); run directories keep their -e<max_staleness> suffix.
 --reuse takes a run directory that finished before (same name) instead of running it again.
 """
 
@@ -67,9 +68,11 @@ def measured(path: Path) -> tuple[float, float]:
     return effective_throughput(m), statistics.mean(x["staleness/mean"] for x in m[warm + 1 :])
 
 
-def predict(profile, cfg, eta: int, servers: int, steps: int):
+def predict(profile, cfg, max_staleness: int, servers: int, steps: int):
     settings = (
-        Setting.from_config(cfg, max_staleness=eta, n_servers=servers, steps=steps, seed=s)
+        Setting.from_config(
+            cfg, max_staleness=max_staleness, n_servers=servers, steps=steps, seed=s
+        )
         for s in range(1, SIM_SEEDS + 1)
     )
     rs = [simulate(profile, s) for s in settings]
@@ -82,8 +85,8 @@ def predict(profile, cfg, eta: int, servers: int, steps: int):
 
 def validate(args: argparse.Namespace, name: str) -> list[dict]:
     config = ROOT / f"configs/{name}.yaml"
-    # The config as it is, and at eta=0: there its roles take turns, each alone on both
-    # cores, which an eta=4 run seldom shows (the speed-up of a lent core).
+    # The config as it is, and at max_staleness=0: there its roles take turns, each alone on
+    # both cores, which a max_staleness=4 run seldom shows (the speed-up of a lent core).
     profile_dir = run(args, config, f"{name}-profile", [])
     sync_dir = run(args, config, f"{name}-profile-e0", ["max_staleness=0"])
     profile = calibrate([profile_dir, sync_dir])
@@ -105,28 +108,29 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
           f"{p_tput:,.0f}, {p_stale:.2f}; idle {idle}")  # fmt: skip
     # Repeats go round the grid (not one point k times), so that a slow spell of the machine
     # spoils one run of several points rather than every run of one.
-    grid = [(servers, eta) for servers in args.servers for eta in args.etas]
+    grid = [(servers, stale) for servers in args.servers for stale in args.max_staleness]
     paths: dict[tuple[int, int], list[Path]] = {point: [] for point in grid}
     for k in range(args.repeats):
-        for servers, eta in grid:
-            overrides = [f"max_staleness={eta}", f"rollout.n_servers={servers}"]
-            name_k = f"{name}-s{servers}-e{eta}" + (f"-r{k}" if k else "")
-            paths[servers, eta].append(run(args, config, name_k, overrides))
+        for servers, stale in grid:
+            overrides = [f"max_staleness={stale}", f"rollout.n_servers={servers}"]
+            name_k = f"{name}-s{servers}-e{stale}" + (f"-r{k}" if k else "")
+            paths[servers, stale].append(run(args, config, name_k, overrides))
     rows = []
-    for servers, eta in grid:
-        cfg = load_config(str(paths[servers, eta][0] / "config.yaml"))
-        runs = sorted((*measured(p), p) for p in paths[servers, eta])
+    for servers, max_staleness in grid:
+        cfg = load_config(str(paths[servers, max_staleness][0] / "config.yaml"))
+        runs = sorted((*measured(p), p) for p in paths[servers, max_staleness])
         tput, _, median = runs[len(runs) // 2]  # the median run by throughput
         stale = statistics.median(s for _, s, _ in runs)
-        p_tput, p_stale, r = predict(profile, cfg, eta, servers, args.steps[name])
+        p_tput, p_stale, r = predict(profile, cfg, max_staleness, servers, args.steps[name])
         # The same costs on the answer lengths that run trained on: what the policy made of
-        # its eta (RL moves lengths, and tokens/s with them) is not the system's to predict.
+        # its staleness (RL moves lengths, and tokens/s with them) is not the system's to
+        # predict.
         own = copy.deepcopy(profile)
         own.lengths = fit_lengths(load_run(median), cfg.rollout.group_size)
-        own_tput, _, _ = predict(own, cfg, eta, servers, args.steps[name])
-        row = dict(config=name, servers=servers, eta=eta, tput=tput, p_tput=p_tput,
-                   own_tput=own_tput, stale=stale, p_stale=p_stale, bottleneck=r.bottleneck,
-                   runs=[round(t) for t, _, _ in runs])  # fmt: skip
+        own_tput, _, _ = predict(own, cfg, max_staleness, servers, args.steps[name])
+        row = dict(config=name, servers=servers, max_staleness=max_staleness, tput=tput,
+                   p_tput=p_tput, own_tput=own_tput, stale=stale, p_stale=p_stale,
+                   bottleneck=r.bottleneck, runs=[round(t) for t, _, _ in runs])  # fmt: skip
         rows.append(row)
         print(f"  {format_row(row)}  runs {row['runs']}", flush=True)
     return rows
@@ -135,7 +139,7 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
 def format_row(r: dict) -> str:
     err, own = r["p_tput"] / r["tput"] - 1, r["own_tput"] / r["tput"] - 1
     return (
-        f"{r['config']:<14} {r['servers']:>7} {r['eta']:>4} {r['tput']:>10,.0f} "
+        f"{r['config']:<14} {r['servers']:>7} {r['max_staleness']:>13} {r['tput']:>10,.0f} "
         f"{r['p_tput']:>10,.0f} {100 * err:>+7.1f}% {100 * own:>+9.1f}% {r['stale']:>7.2f} "
         f"{r['p_stale']:>7.2f} {r['p_stale'] - r['stale']:>+6.2f}  "
         f"{r['bottleneck'].split(' (')[0]}"
@@ -148,29 +152,30 @@ def recommendation_check(args: argparse.Namespace, rows: list[dict], name: str) 
         return
     cfg = load_config(str(ROOT / f"configs/{name}.yaml"))
     profile_path = Path(args.fileroot) / f"{name}-profile.json"
-    points = plan_grid(cfg, load_profile(profile_path), args.etas, servers=args.servers,
+    points = plan_grid(cfg, load_profile(profile_path), args.max_staleness, servers=args.servers,
                        steps=args.steps[name])  # fmt: skip
     best_pred = recommend(points)
     pick = (best_pred.n_servers, best_pred.max_staleness)
-    chosen = next(r for r in grid if (r["servers"], r["eta"]) == pick)
+    chosen = next(r for r in grid if (r["servers"], r["max_staleness"]) == pick)
     best = max(grid, key=lambda r: r["tput"])
     print(
-        f"\n{name}: recommended servers={pick[0]} eta={pick[1]}, measured "
-        f"{chosen['tput']:,.0f} tok/s; best measured servers={best['servers']} eta={best['eta']} "
-        f"{best['tput']:,.0f} tok/s: {100 * (chosen['tput'] / best['tput'] - 1):+.1f}% "
-        f"(target: within -10%; the grid: servers {args.servers} x eta {args.etas})"
+        f"\n{name}: recommended servers={pick[0]} max_staleness={pick[1]}, measured "
+        f"{chosen['tput']:,.0f} tok/s; best measured servers={best['servers']} "
+        f"max_staleness={best['max_staleness']} {best['tput']:,.0f} tok/s: "
+        f"{100 * (chosen['tput'] / best['tput'] - 1):+.1f}% (target: within -10%; the grid: "
+        f"servers {args.servers} x max_staleness {args.max_staleness})"
     )
 
 
 def paper_ratios(profile, steps: int) -> tuple[float, float, float, object]:
-    """(eta=8, eta=0 on the 3/4 split, eta=0 colocated on every GPU) throughput of the 1.5B
+    """(max_staleness=8, 0 on the 3/4 split, 0 colocated on every GPU) throughput of the 1.5B
     config on 16 x 8 GPUs, simulated at 1/8 scale (each server and GPU sees the same load)."""
     cfg = load_config(str(ROOT / "configs/math_1.5b.yaml"))
     split = {
         p.max_staleness: p.result
         for p in plan_grid(cfg, profile, [0, 8], fractions=[0.75], gpus=128, steps=steps, scale=8)
     }
-    # Colocated synchronous: every GPU generates, then every GPU trains (eta=0).
+    # Colocated synchronous: every GPU generates, then every GPU trains (max_staleness=0).
     s = Setting.from_config(
         cfg, max_staleness=0, n_servers=128 // 8, trainer_devices=128 // 8, steps=steps
     )
@@ -185,10 +190,10 @@ def paper(steps: int) -> None:
     print(
         f"\nmath_1.5b on 16 x 8 GPUs (h200 profile; 96 servers + 32 training GPUs; simulated at "
         f"1/8 scale, {steps} steps):\n"
-        f"  eta=8 {a:,.0f} tok/s (staleness mean {r.staleness_mean:.2f}, max "
+        f"  max_staleness=8 {a:,.0f} tok/s (staleness mean {r.staleness_mean:.2f}, max "
         f"{r.staleness_max}; {r.bottleneck})\n"
-        f"  eta=0 same split {sync:,.0f} tok/s: async/sync {a / sync:.2f}x\n"
-        f"  eta=0 colocated on 128 GPUs {co:,.0f} tok/s: async/sync {a / co:.2f}x\n"
+        f"  max_staleness=0 same split {sync:,.0f} tok/s: async/sync {a / sync:.2f}x\n"
+        f"  max_staleness=0 colocated on 128 GPUs {co:,.0f} tok/s: async/sync {a / co:.2f}x\n"
         f"  the paper: about 2.5x (2.57x against verl, 2.77x less time than sync AReaL)\n"
         "  how the assumed constants move it (async/sync same split, colocated):"
     )
@@ -209,7 +214,7 @@ def paper(steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,tiny_longtail")
-    ap.add_argument("--max-staleness", "--etas", dest="etas", default="0,1,4,16", metavar="LIST")
+    ap.add_argument("--max-staleness", "--etas", default="0,1,4,16", metavar="LIST")
     ap.add_argument("--servers", default="1,2")
     # tiny's steps take ~0.1 s: 200 of them measure ~20 s, not a few seconds of noise.
     ap.add_argument("--steps", default="tiny=200,tiny_longtail=40", help="N, or CONFIG=N,...")
@@ -221,7 +226,7 @@ def main() -> None:
     ap.add_argument("--no-paper", action="store_true")
     ap.add_argument("--paper-steps", type=int, default=20)
     args = ap.parse_args()
-    args.etas = [int(x) for x in args.etas.split(",")]
+    args.max_staleness = [int(x) for x in args.max_staleness.split(",")]
     args.servers = [int(x) for x in args.servers.split(",")]
     args.model = dict(m.split("=", 1) for m in args.model)
     if "=" in args.steps:
@@ -233,8 +238,9 @@ def main() -> None:
         rows += validate(args, name)
     if rows:
         print(
-            f"\n{'config':<14} {'servers':>7} {'eta':>4} {'measured':>10} {'predicted':>10} "
-            f"{'error':>8} {'own lens':>10} {'stale':>7} {'pred':>7} {'diff':>6}  "
+            f"\n{'config':<14} {'servers':>7} {'max_staleness':>13} {'measured':>10} "
+            f"{'predicted':>10} {'error':>8} {'own lens':>10} {'stale':>7} {'pred':>7} "
+            f"{'diff':>6}  "
             "predicted bottleneck"
         )
         for r in rows:

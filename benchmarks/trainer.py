@@ -47,9 +47,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal.config import PPOConfig
 from areal.models.tiny import build_tokenizer, tiny_config
 from areal.trainer.optimizer import OptimizerSpec
+from areal.trainer.ppo_config import PPOConfig
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory

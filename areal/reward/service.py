@@ -35,8 +35,8 @@ from pebble import ProcessExpired, ProcessPool
 from areal.config import RewardConfig
 from areal.cores import Grading
 from areal.process import die_with_parent
-from areal.reward import sandbox
 from areal.tasks import Task, load_task
+from areal.tasks.graders import sandbox
 
 log = logging.getLogger("areal.reward")
 

@@ -15,8 +15,10 @@ service (which gets it with every request) loads the same task in its pool proce
 task is one module here defining `TASK = Task(...)` (or anywhere, named by
 "package.module:object"); nothing else names it.
 
-Importing this package and a task module is cheap (the config validates dataset.type with
-it): a task imports heavy graders (math-verify, sympy) inside its functions.
+The built-in tasks' graders are graders/ (math-verify, the code sandbox), beside them: the
+reward service imports the tasks, and nothing here imports the service. Importing this
+package and a task module is cheap (the config validates dataset.type with it): a task
+imports heavy graders (math-verify, sympy) inside its functions.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class Task:
     the reward service imports them before its pool forks, so that no grading pays for them
     within its time limit."""
     uses_sandbox: bool = False
-    """is_correct runs the response in the code sandbox (areal/reward/sandbox.py): the
+    """is_correct runs the response in the code sandbox (areal/tasks/graders/sandbox.py): the
     reward service says how isolated it is when it first grades the task (only then)."""
     grade_inline: bool = False
     """is_correct is a regex on the response, cheap and unable to hang: the reward service
@@ -95,8 +97,9 @@ class Task:
     """(dataset_cfg, seed) -> supervised batches for the tiny model (None: no warm-up data;
     a run without model.path then gets the arith model)."""
     options: type | None = None
-    """Its own options (dataset.options): a dataclass subclassing areal.config.Section, whose
-    fields are checked as the config's are (None: it takes none); `options_of` parses them."""
+    """Its own options (dataset.options): a dataclass subclassing areal.config_loader.Section,
+    whose fields are checked as the config's are (None: it takes none); `options_of` parses
+    them."""
 
     def __post_init__(self) -> None:
         assert (self.generate is None) != (self.from_record is None), (
@@ -123,8 +126,10 @@ class Task:
 
 @functools.cache
 def names() -> tuple[str, ...]:
-    """The built-in tasks' short names: made in code first, then read from a file."""
-    found = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    """The built-in tasks' short names: made in code first, then read from a file (each a
+    module here; the packages here, graders/, are no task)."""
+    modules = pkgutil.iter_modules(__path__)
+    found = [m.name for m in modules if not m.ispkg and not m.name.startswith("_")]
     tasks = [_builtin(name) for name in found]
     return tuple(t.name for t in sorted(tasks, key=lambda t: (t.needs_path, t.name)))
 

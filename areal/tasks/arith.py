@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
-from areal.config import DatasetConfig, Section
+from areal.config import DatasetConfig
+from areal.config_loader import Section
 from areal.tasks import Batch, Task
 
 _LAST_INT = re.compile(r"-?\d+")

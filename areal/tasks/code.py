@@ -1,7 +1,7 @@
 """Code problems from a file (DeepCoder-style), graded by running their unit tests.
 
 record {"problem", "tests" (list/dict, or JSON text)} --template--> row {"prompt", "answer"}
-response --last ```python block--> every test in the sandbox (areal.reward.code), under
+response --last ```python block--> every test in the sandbox (areal.tasks.graders.code), under
 reward.code_time_limit_s and reward.code_memory_mb
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 from areal.config import RewardConfig
-from areal.reward.code import is_correct, parse_tests
 from areal.tasks import Task
+from areal.tasks.graders.code import is_correct, parse_tests
 
 TEMPLATE = (
     "{problem}\n\nWrite a Python program that solves the problem. Present the code in\n"

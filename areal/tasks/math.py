@@ -1,7 +1,8 @@
 """Math problems from a file (DeepScaleR-style), graded on the final boxed answer.
 
 record {"problem", "answer", "solution"?} --R1-distill template--> row {"prompt", "answer"}
-response --last \\boxed{}--> math-verify equivalence with the gold answer (areal.reward.math)
+response --last \\boxed{}--> math-verify equivalence with the gold answer
+(areal/tasks/graders/math.py)
 
 The tiny model's warm-up (a run without model.path) is sums asked in words and answered in
 \\boxed{}: it learns the format a math run grades, on any file of records.
@@ -55,13 +56,13 @@ def warmup(dataset_cfg: object, seed: int) -> Iterator[Batch]:
 
 def is_correct(response: str, gold: str) -> bool:
     # Imported here: math-verify pulls in sympy (0.3 s), and the config imports this module.
-    from areal.reward.math import is_correct as boxed_answer_matches
+    from areal.tasks.graders.math import is_correct as boxed_answer_matches
 
     return boxed_answer_matches(response, gold)
 
 
 def screen(response: str, gold: str) -> bool | tuple[str, str]:
-    from areal.reward.math import screen as screen_boxed_answer
+    from areal.tasks.graders.math import screen as screen_boxed_answer
 
     return screen_boxed_answer(response, gold)
 
@@ -72,6 +73,6 @@ TASK = Task(
     record_fields="'problem' and 'answer'",
     is_correct=is_correct,
     screen=screen,
-    grader_imports=("areal.reward.math",),
+    grader_imports=("areal.tasks.graders.math",),
     warmup=warmup,
 )

@@ -1,6 +1,7 @@
 """The objective: decoupled PPO (paper section 5.2) and the knobs of the objectives people
 bring, readable top to bottom. Each knob is one formula; `ppo.recipe` sets them to a
-paper's values (areal/config.py RECIPES), the `areal` recipe is the paper's objective.
+paper's values (RECIPES in areal/trainer/ppo_config.py, with the section and its checks), the
+`areal` recipe is the paper's objective.
 
 Three policies: behaviour (sampled the tokens; log-probs from the inference engine),
 proximal (the trainer's weights at the start of this training step; log-probs recomputed
@@ -72,7 +73,7 @@ from typing import Any
 
 import torch
 
-from areal.config import GROUP_ESTIMATORS, TOKEN_ESTIMATORS, PPOConfig
+from areal.trainer.ppo_config import GROUP_ESTIMATORS, TOKEN_ESTIMATORS, PPOConfig
 
 ADV_EPS = 1e-6
 """Added to a standard deviation before dividing by it."""

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from areal.config import TOKEN_ESTIMATORS, PPOConfig
 from areal.trainer import ppo as objective
 from areal.trainer.parallel import DataParallel
+from areal.trainer.ppo_config import TOKEN_ESTIMATORS, PPOConfig
 from areal.trajectory import Trajectory, TrajectoryRef
 
 

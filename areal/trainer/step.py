@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from areal import events
-from areal.config import PPOConfig
 from areal.trainer import ppo_batch
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.micro_batches import allocate_micro_batches
 from areal.trainer.parallel import DataParallel
 from areal.trainer.ppo_batch import TokenTensors
+from areal.trainer.ppo_config import PPOConfig
 from areal.trajectory import Trajectory, TrajectoryRef
 
 if TYPE_CHECKING:  # transformers, which the critic imports, only where a critic is made

@@ -78,7 +78,7 @@ def test_every_config_key_is_in_the_reference(site):
     for key in leaves:
         assert f'id="{key}"' in html, f"{key} has no row in the configuration reference"
     for row in docs.config_keys():
-        assert row["doc"], f"{row['key']} has no docstring in areal/config.py"
+        assert row["doc"], f"{row['key']} has no docstring in its section's dataclass"
         assert row["doc"].split()[0] in text
     # The hand-kept table of the README missed these two; the generated one cannot.
     assert 'id="launcher.ray_address"' in html and "ray" in text

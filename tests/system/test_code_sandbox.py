@@ -21,8 +21,8 @@ import pytest
 
 from areal.comm.registry import create_key
 from areal.config import RewardConfig
-from areal.reward import sandbox
 from areal.reward.service import RewardService
+from areal.tasks.graders import sandbox
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 TESTS = [{"input": "2 3\n", "output": "5\n"}]

@@ -22,10 +22,10 @@ from safetensors.torch import load_file, save_file
 import areal.trainer.step as step_mod
 from areal.comm import wire
 from areal.comm.net import free_port
-from areal.config import PPOConfig
 from areal.models.tiny import make_tiny_model
 from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import init_data_parallel
+from areal.trainer.ppo_config import PPOConfig
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory

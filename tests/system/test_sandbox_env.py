@@ -22,7 +22,7 @@ SECRET = "areal-test-secret-4711"
 GRADER = r"""
 import asyncio, json, sys
 from areal.config import RewardConfig
-from areal.reward import sandbox
+from areal.tasks.graders import sandbox
 from areal.reward.service import RewardService
 
 PROBE = '''

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from areal.reward.code import Case, extract_program, parse_tests, same_output
+from areal.tasks.graders.code import Case, extract_program, parse_tests, same_output
 
 
 def test_the_last_fenced_block_is_the_program():

@@ -16,12 +16,14 @@ from areal.config import (
     ExperimentConfig,
     MicroBatchSpec,
     TrainerConfig,
+    WeightsConfig,
     describe_keys,
     from_dict,
     load_config,
     save_config,
     to_dict,
 )
+from areal.trainer.ppo_config import PPOConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -291,6 +293,31 @@ def test_cli_error_is_fast_and_light() -> None:
     assert proc.returncode != 0
     assert "did you mean 'trainer.lr'?" in proc.stderr
     assert elapsed < 6.0, f"loading a config took {elapsed:.2f}s"
+
+
+def test_the_objectives_config_is_its_own_torch_free_module() -> None:
+    code = (
+        "import sys\n"
+        "from areal.trainer.ppo_config import RECIPES, PPOConfig\n"
+        "assert 'torch' not in sys.modules and 'areal.config' not in sys.modules\n"
+        "print(PPOConfig(recipe='dapo').summary(), len(RECIPES))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("recipe=dapo decoupled")
+
+
+def test_a_sections_own_rule_is_checked_by_the_section() -> None:
+    with pytest.raises(ConfigError, match="weights.delta .* needs weights.transport=distributed"):
+        WeightsConfig(delta=True)
+    assert WeightsConfig(delta=True, transport="distributed").delta
+    # The objective's rules against the run's batch are the ppo section's own, too.
+    with pytest.raises(ConfigError, match="ppo.adv_estimator=grpo needs rollout.group_size >= 2"):
+        PPOConfig(recipe="grpo").for_run(group_size=1, max_new_tokens=8, batch_size=4, dp=1)
+    filled = PPOConfig().for_run(group_size=8, max_new_tokens=10, batch_size=4, dp=1)
+    assert (filled.loss_agg_norm_len, filled.overlong_buffer) == (10, 2)
 
 
 def test_module_main_prints_resolved_config() -> None:

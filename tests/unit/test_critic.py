@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from areal.checkpoint import save as save_checkpoint
-from areal.config import ConfigError, PPOConfig, load_config
+from areal.config import ConfigError, load_config
 from areal.models.tiny import make_tiny_model
 from areal.trainer.critic import TorchCritic
 from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.ppo import ADV_EPS, gae, gae_advantages, token_rewards, value_loss
+from areal.trainer.ppo_config import PPOConfig
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trainer.worker import load_trainer_part, write_trainer_part

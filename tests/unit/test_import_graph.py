@@ -76,6 +76,29 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """areal's folders (areal/X/, subfolders included) -> the other folders they import."""
+    folders = {m for m in graph if m.count(".") == 1 and (ROOT / m.replace(".", "/")).is_dir()}
+
+    def folder(module: str) -> str | None:
+        return next((f for f in folders if module == f or module.startswith(f + ".")), None)
+
+    found: dict[str, set[str]] = {f: set() for f in folders}
+    for module, targets in graph.items():
+        if (src := folder(module)) is not None:
+            found[src] |= {f for t in targets if (f := folder(t)) not in (None, src)}
+    return found
+
+
+def test_tasks_and_reward_do_not_loop_at_folder_level():
+    """The graders live beside the tasks (tasks/graders/, the code sandbox with them): the
+    reward service imports the tasks, and nothing in tasks/ imports the service's folder."""
+    folders = folder_graph(import_graph(ROOT / "areal"))
+    assert "areal.tasks" in folders["areal.reward"]
+    assert "areal.reward" not in folders["areal.tasks"]
+    assert not [c for c in cycles(folders) if {"areal.tasks", "areal.reward"} & set(c)]
+
+
 def test_no_import_circle_in_areal():
     graph = import_graph(ROOT / "areal")
     assert len(graph) > 100 and "areal.rollout.inference" in graph

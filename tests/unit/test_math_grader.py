@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from areal.reward.math import MAX_RESPONSE_CHARS, is_correct, last_boxed, screen, verify_answer
+from areal.tasks.graders.math import (
+    MAX_RESPONSE_CHARS,
+    is_correct,
+    last_boxed,
+    screen,
+    verify_answer,
+)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import statistics
 import pytest
 import torch
 
-from areal.config import RECIPES, ConfigError, PPOConfig, load_config
+from areal.config import ConfigError, load_config
 from areal.trainer.ppo import (
     ADV_EPS,
     approx_proximal_logprobs,
@@ -28,6 +28,7 @@ from areal.trainer.ppo import (
     token_advantages,
     token_mask,
 )
+from areal.trainer.ppo_config import RECIPES, PPOConfig
 
 TOL = 1e-6
 

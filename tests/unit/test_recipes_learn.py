@@ -15,10 +15,10 @@ import copy
 import pytest
 import torch
 
-from areal.config import RECIPES, PPOConfig
 from areal.models.tiny import build_tiny_model
 from areal.trainer.critic import TorchCritic
 from areal.trainer.optimizer import OptimizerSpec
+from areal.trainer.ppo_config import RECIPES, PPOConfig
 from areal.trainer.step import train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory

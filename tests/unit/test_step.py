@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import areal.trainer.ppo as ppo_mod
-from areal.config import PPOConfig
 from areal.models.tiny import make_tiny_model
 from areal.trainer.micro_batches import allocate_micro_batches
 from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.ppo import compute_advantages
+from areal.trainer.ppo_config import PPOConfig
 from areal.trainer.step import proximal_logprobs, train_step
 from areal.trainer.torch_backend import TorchBackend
 from areal.trajectory import Trajectory

@@ -60,8 +60,8 @@ def test_data_and_reward_do_not_import_each_other(package, other):
 
 def test_the_import_check_sees_function_level_imports(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from areal.reward import sandbox\n    import areal.data.files\n")
-    assert {"areal.reward.sandbox", "areal.data.files"} <= imported_modules(f)
+    f.write_text("def f():\n    from areal.reward import service\n    import areal.data.files\n")
+    assert {"areal.reward.service", "areal.data.files"} <= imported_modules(f)
 
 
 def test_builtin_tasks_are_one_module_each():

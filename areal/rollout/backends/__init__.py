@@ -8,6 +8,8 @@
             .version_problem(python)    None, or why that interpreter cannot serve and the fix
             .lends_cores                its server's threads join the core ledger (cores.py)
             .in_process                 its engine can run in the launcher's process (inline)
+            .takes_deltas, .takes_adapter_tensors   what its servers take over the
+                                        weight-update group (weights.delta, model.lora)
 
 A new backend is one module here defining `BACKEND` (an InferenceBackend); nothing else names
 it. This package imports none of them (load_backend does, by name), and none of them imports
@@ -42,6 +44,12 @@ class InferenceBackend(abc.ABC):
     in_process: bool = False
     """Its engine can run inside one Python process with every other role
     (launcher.type=inline: areal/inline.py builds it from objects)."""
+    takes_deltas: bool = False
+    """With weights.transport=distributed, its servers take what changed since the version
+    they hold (weights.delta, load_format "delta"); the others take whole tensors only."""
+    takes_adapter_tensors: bool = False
+    """With weights.transport=distributed, its servers take a LoRA adapter's tensors over the
+    group and merge them (load_format "lora"); the others load each adapter by path."""
 
     def check(self, cfg: Any) -> None:
         """Raise ConfigError for a config this backend cannot serve (called on load)."""

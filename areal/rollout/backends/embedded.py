@@ -22,6 +22,8 @@ class Embedded(InferenceBackend):
     name = "embedded"
     lends_cores = True
     in_process = True  # DecodeEngine + EngineClient (areal/inline.py)
+    takes_deltas = True
+    takes_adapter_tensors = True  # merged as an adapter directory is (weight_loading.py)
 
     def check(self, cfg: Any) -> None:
         if cfg.inference.extra_args:

@@ -2,7 +2,7 @@
 
     response --last ```python block--> program
     tests (DeepCoder / TACO / LiveCodeBench forms) --normalise--> [Case(kind, input, output)]
-    each case: program in the sandbox (areal.reward.sandbox) --stdout--> compare
+    each case: program in the sandbox (areal.tasks.graders.sandbox) --stdout--> compare
 
 Test forms accepted (a JSON string of any of them too):
 - a list of {"input": str, "output": str} stdin/stdout cases (codeforces, primeintellect);
@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from areal.reward.sandbox import Limits, run_python
+from areal.tasks.graders.sandbox import Limits, run_python
 
 MAX_RESPONSE_CHARS = 200_000
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
