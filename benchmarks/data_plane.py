@@ -2,6 +2,7 @@
 
     python benchmarks/data_plane.py [--steps 10] [--batch 8] [--group 8] [--servers 2]
         [--ranks 2] [--mean-tokens 8000] [--tokens-per-s 100000] [--modes relay,pull]
+        [--feed pipeline|replay] [--pin CPU] [--no-pull] [--eta 4] [--out results.json]
 
 Per mode, real processes on loopback: --servers fake inference servers speaking SGLang's
 HTTP API (benchmarks/fake_sglang.py: long-tailed lengths, random tokens, no model), one
@@ -19,6 +20,20 @@ controller's bytes per step against the batch's bytes, p50/p99 of admit-to-buffe
 controller's implied limit on one core (1 / its CPU seconds per trajectory). On this
 2-core machine every process shares the cores, so trajectories/s is what the whole
 pipeline sustains here; the controller's CPU seconds per trajectory is its own cost.
+
+--feed replay measures the controller's sustained rate instead of inferring it: in place of
+the servers and rollout workers, --servers feeders (benchmarks/replay_feeder.py) answer the
+real controller's generate calls at once, over the real RPC layer, with references to
+trajectories they hold in the real TrajectoryStore (long-tailed lengths cut at
+--max-tokens: --mean-tokens 9200 gives a mean of ~8,190; tokens sliced from pre-built
+buffers; no decode, random 0/1 rewards), and serve the trainer ranks' fetches, whose bytes
+really travel. The trainer ranks consume as above, so the gate admits on trained versions;
+--no-pull: they take the references and fetch nothing (the controller's own limit, when the
+ranks' pulls cannot keep up on this machine). --pin C puts the controller alone on CPU C
+and every other process on the other CPUs. Checked per run and printed: the staleness of
+every trained sample (oldest token, and the gate's start version) <= --eta, every
+trajectory and draw trained once, and (replay) the bytes the ranks pulled == the bytes the
+feeders served; trajectories/s is also given for the slowest tenth of the steps.
 """
 
 from __future__ import annotations
@@ -269,6 +284,8 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
             "rss_tenth_mib": first / 1024,
             "rss_end_mib": last / 1024,
             "rss_growth_kib_per_10k": (last - first) / max(since_tenth, 1) * 1e4,
+            "rss_mib_by_tenth": [series[len(series) * k // 10] / 1024 for k in range(10)]
+            + [last / 1024],
         }
     for r in range(args.ranks):
         per_proc.setdefault(f"trainer{r}", {})["bytes_per_step"] = statistics.median(
@@ -365,7 +382,10 @@ def report(results: list[dict]) -> None:
                 f"{sum(f['fetched'] for f in r['served'])}"
             )
         share = r["controller_bytes_per_step"] / max(r["batch_bytes_per_step"], 1)
-        print(f"{r['mode']}: controller bytes per step = {100 * share:.2f}% of the batch's bytes")
+        if r["pull"]:  # else the batch's bytes never move
+            print(
+                f"{r['mode']}: controller bytes per step = {100 * share:.2f}% of the batch's bytes"
+            )
     print("\nresident memory, MiB at a tenth of the steps -> at the end (KiB per 10k trajectories)")
     for name in sorted({n for r in results for n in r["procs"]}):
         cells = [
