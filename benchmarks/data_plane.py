@@ -2,6 +2,7 @@
 
     python benchmarks/data_plane.py [--steps 10] [--batch 8] [--group 8] [--servers 2]
         [--ranks 2] [--mean-tokens 8000] [--tokens-per-s 100000] [--modes relay,pull]
+        [--feed pipeline|replay] [--pin CPU] [--no-pull] [--eta 4] [--out results.json]
 
 Per mode, real processes on loopback: --servers fake inference servers speaking SGLang's
 HTTP API (benchmarks/fake_sglang.py: long-tailed lengths, random tokens, no model), one
@@ -19,6 +20,20 @@ controller's bytes per step against the batch's bytes, p50/p99 of admit-to-buffe
 controller's implied limit on one core (1 / its CPU seconds per trajectory). On this
 2-core machine every process shares the cores, so trajectories/s is what the whole
 pipeline sustains here; the controller's CPU seconds per trajectory is its own cost.
+
+--feed replay measures the controller's sustained rate instead of inferring it: in place of
+the servers and rollout workers, --servers feeders (benchmarks/replay_feeder.py) answer the
+real controller's generate calls at once, over the real RPC layer, with references to
+trajectories they hold in the real TrajectoryStore (long-tailed lengths cut at
+--max-tokens: --mean-tokens 9200 gives a mean of ~8,190; tokens sliced from pre-built
+buffers; no decode, random 0/1 rewards), and serve the trainer ranks' fetches, whose bytes
+really travel. The trainer ranks consume as above, so the gate admits on trained versions;
+--no-pull: they take the references and fetch nothing (the controller's own limit, when the
+ranks' pulls cannot keep up on this machine). --pin C puts the controller alone on CPU C
+and every other process on the other CPUs. Checked per run and printed: the staleness of
+every trained sample (oldest token, and the gate's start version) <= --eta, every
+trajectory and draw trained once, and (replay) the bytes the ranks pulled == the bytes the
+feeders served; trajectories/s is also given for the slowest tenth of the steps.
 """
 
 from __future__ import annotations
@@ -40,14 +55,18 @@ sys.path.insert(0, str(ROOT))
 # ---------------------------------------------------------------- a trainer rank that drops
 
 
-def trainer_rank(exp_dir: Path, rank: int, world: int, steps: int, out: Path) -> None:
-    """One rank: get each batch as the trainer does, drop it, publish the next version."""
+def trainer_rank(
+    exp_dir: Path, rank: int, world: int, steps: int, out: Path, pull: bool = True
+) -> None:
+    """One rank: get each batch as the trainer does, drop it, publish the next version.
+    pull False (--no-pull): take the references and fetch nothing (the controller alone)."""
     from areal.comm.registry import Registry, load_key
     from areal.comm.rpc import SyncRpcClient
     from areal.config import load_config
     from areal.data_plane import Puller
     from areal.trainer.parallel import init_data_parallel
-    from areal.trainer.worker import batch_trajectories
+    from areal.trainer.worker import batch_trajectories, staleness
+    from areal.trajectory import TrajectoryRef
 
     cfg = load_config(str(exp_dir / "config.yaml"))
     key = load_key(exp_dir)
@@ -57,7 +76,9 @@ def trainer_rank(exp_dir: Path, rank: int, world: int, steps: int, out: Path) ->
         address = Registry(exp_dir).lookup("controller", 0, timeout=300)
         controller = SyncRpcClient(address, key)
     puller = Puller(key, exp_dir / "logs")
-    lines = []
+    # Written as it goes (the ids of 100,000 trajectories stay out of this rank's memory),
+    # renamed to `out` at the end: the harness's sign that the rank is done.
+    lines = open(out.with_suffix(".tmp"), "w", buffering=1)
     for version in range(steps):
         t0 = time.time()
         before = controller.bytes_in if controller else 0
@@ -66,24 +87,36 @@ def trainer_rank(exp_dir: Path, rank: int, world: int, steps: int, out: Path) ->
         reply = dp.broadcast_object(reply)
         received = dp.broadcast_object(reply_bytes)  # relay: what every rank receives
         pulled_before = puller.bytes_in
-        trajs, _ = batch_trajectories(cfg, reply, version, dp, puller)
+        if pull:
+            trajs, _ = batch_trajectories(cfg, reply, version, dp, puller)
+        else:
+            trajs = [TrajectoryRef.from_wire(d) for d in reply["trajectories"]]
         if puller.bytes_in > pulled_before:
             received = (reply_bytes if dp.is_main else 0) + puller.bytes_in - pulled_before
         tokens = sum(t.n_prompt + t.n_output for t in trajs)
+        # The bound, as the trainer reports it (oldest token) and as the gate admits (start).
+        stale = max(staleness(trajs, version) + [version - t.start_version for t in trajs])
         if dp.is_main:
             controller.call("weights_ready", version=version + 1, path=str(exp_dir / "weights"))
             (exp_dir / "progress").write_text(str(version + 1))
         stats = reply["stats"]
-        lines.append(
+        line = (
             {
                 "step": version, "t0": t0, "t1": time.time(), "n": len(trajs),
                 "tokens": tokens, "received": received,
+                "pulled": puller.bytes_in - pulled_before,
                 "controller_bytes": stats.get("data/controller_bytes", 0),
                 "p50": stats.get("rollout/admit_to_buffer_p50_s"),
                 "p99": stats.get("rollout/admit_to_buffer_p99_s"),
+                "stale": stale, "draw_ids": stats.get("batch/draw_ids", []),
+                "traj_ids": [d.get("traj_id") for d in reply["trajectories"]]
+                if dp.is_main
+                else [],
             }
         )  # fmt: skip
-    out.write_text("\n".join(json.dumps(x) for x in lines))
+        lines.write(json.dumps(line) + "\n")
+    lines.close()
+    out.with_suffix(".tmp").rename(out)
     deadline = time.time() + 120  # alive until the harness has read its CPU and memory
     while not (exp_dir / "exit").exists() and time.time() < deadline:
         time.sleep(0.05)
@@ -111,22 +144,25 @@ def vm_kib(pid: int, key: str) -> int:
 
 
 def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
+    label = "replay" if args.feed == "replay" else mode
     from areal.comm.net import free_port
-    from areal.comm.registry import Registry
+    from areal.comm.registry import Registry, load_key
+    from areal.comm.rpc import SyncRpcClient
     from areal.config import load_config
     from areal.train import prepare_experiment
 
     overrides = [
-        f"fileroot={root}", f"trial_name={mode}", f"rollout.data_plane={mode}",
+        f"fileroot={root}", f"trial_name={label}", f"rollout.data_plane={mode}",
         f"rollout.n_servers={args.servers}", f"rollout.group_size={args.group}",
         f"trainer.batch_size={args.batch}", f"rollout.max_new_tokens={args.max_tokens}",
-        "max_staleness=4", "rollout.max_concurrent=0", "ppo.dynamic_sampling=false",
+        f"max_staleness={args.eta}", "rollout.max_concurrent=0", "ppo.dynamic_sampling=false",
         f"trainer.parallel.dp={args.ranks}", "model.tiny_warmup_steps=0", "stats.events=false",
     ]  # fmt: skip
     cfg = load_config(str(ROOT / "configs/tiny.yaml"), overrides)
     shutil.rmtree(cfg.exp_dir, ignore_errors=True)
     prepare_experiment(cfg)
     exp = cfg.exp_dir
+    (exp / "weights").mkdir(exist_ok=True)  # what the trainer ranks "publish" every step
     from areal.models.tokenizer import load_tokenizer
 
     vocab = len(load_tokenizer(cfg.model.path))
@@ -139,27 +175,44 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
             cmd, env={**env, **(extra or {})}, stdout=log, stderr=subprocess.STDOUT
         )
 
+    # --pin C: the controller alone on CPU C, every other process on the other CPUs.
+    cpus = sorted(os.sched_getaffinity(0))
+    others = None if args.pin is None else ",".join(str(c) for c in cpus if c != args.pin)
+
+    def pin(cpu: int | str | None) -> list[str]:
+        return [] if cpu is None else ["taskset", "-c", str(cpu)]
+
     registry = Registry(exp)
     try:
-        for k in range(args.servers):
-            port = free_port()
-            start(f"server{k}", [sys.executable, str(ROOT / "benchmarks/fake_sglang.py"),
-                  "--port", str(port), "--mean-tokens", str(args.mean_tokens),
-                  "--tokens-per-s", str(args.tokens_per_s), "--vocab", str(vocab),
-                  "--seed", str(k)])  # fmt: skip
-            registry.register("server", k, f"http://127.0.0.1:{port}")
         role = [sys.executable, "-m", "areal.worker", "--exp-dir", str(exp), "--role"]
-        start("reward0", [*role, "reward"])
-        for k in range(args.servers):
-            start(f"rollout{k}", [*role, "rollout", "--index", str(k)])
-        start("controller0", [*role, "controller"])
+        if args.feed == "replay":  # feeders in place of the servers and rollout workers
+            for k in range(args.servers):
+                start(f"feeder{k}", [*pin(others), sys.executable,
+                      str(ROOT / "benchmarks/replay_feeder.py"), "--exp-dir", str(exp),
+                      "--index", str(k), "--mean-tokens", str(args.mean_tokens),
+                      "--seed", str(k)])  # fmt: skip
+        else:
+            for k in range(args.servers):
+                port = free_port()
+                start(f"server{k}", [*pin(others), sys.executable,
+                      str(ROOT / "benchmarks/fake_sglang.py"),
+                      "--port", str(port), "--mean-tokens", str(args.mean_tokens),
+                      "--tokens-per-s", str(args.tokens_per_s), "--vocab", str(vocab),
+                      "--seed", str(k)])  # fmt: skip
+                registry.register("server", k, f"http://127.0.0.1:{port}")
+        start("reward0", [*pin(others), *role, "reward"])
+        if args.feed != "replay":
+            for k in range(args.servers):
+                start(f"rollout{k}", [*pin(others), *role, "rollout", "--index", str(k)])
+        start("controller0", [*pin(args.pin), *role, "controller"])
         master = str(free_port())
         for r in range(args.ranks):
             dist = {"RANK": str(r), "WORLD_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": master, "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
-            start(f"trainer{r}", [sys.executable, __file__, "--trainer-rank", str(r),
-                  "--exp-dir", str(exp), "--steps", str(args.steps),
-                  "--ranks", str(args.ranks)], dist)  # fmt: skip
+            start(f"trainer{r}", [*pin(others), sys.executable, __file__,
+                  "--trainer-rank", str(r), "--exp-dir", str(exp), "--steps", str(args.steps),
+                  "--ranks", str(args.ranks), *(["--no-pull"] if args.no_pull else [])],
+                  dist)  # fmt: skip
         # CPU at the start of the measured window: after the first two steps.
         t_end = time.time() + args.timeout
         marks: dict[str, float] = {}
@@ -186,6 +239,12 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
                 marks["t"] = time.time()
             time.sleep(0.05)
         final = {n: proc_stat(p.pid) for n, p in procs.items() if p.poll() is None}
+        served = []  # what each feeder made and served its trainer ranks
+        if args.feed == "replay":
+            for k in range(args.servers):
+                feeder = SyncRpcClient(registry.lookup("rollout", k), load_key(exp))
+                served.append(feeder.call("served", timeout=30))
+                feeder.close()
         (exp / "exit").write_text("")
         for r in range(args.ranks):
             procs[f"trainer{r}"].wait(60)
@@ -210,6 +269,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
     if mode == "relay":  # every rank received the whole batch: the batch is one copy
         batch_bytes = [ranks[0][i]["received"] for i in range(2, len(lines))]
     per_proc = {}
+    window = measured[-1]["t1"] - marks["t"] if marks else seconds  # the CPU marks' window
     for name, (cpu, peak) in final.items():
         used = cpu - marks.get(name, 0.0) if marks else cpu
         # Memory over the run: resident at a tenth of the steps (warm) and at the end.
@@ -219,18 +279,45 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
         per_proc[name] = {
             "cpu_s": used,
             "cpu_ms_per_traj": 1000 * used / n,
+            "cpu_busy": used / max(window, 1e-9),  # share of one core over the window
             "peak_mib": peak / 1024,
             "rss_tenth_mib": first / 1024,
             "rss_end_mib": last / 1024,
             "rss_growth_kib_per_10k": (last - first) / max(since_tenth, 1) * 1e4,
+            "rss_mib_by_tenth": [series[len(series) * k // 10] / 1024 for k in range(10)]
+            + [last / 1024],
         }
     for r in range(args.ranks):
         per_proc.setdefault(f"trainer{r}", {})["bytes_per_step"] = statistics.median(
             x["received"] for x in ranks[r][2:]
         )
     ctrl = per_proc.get("controller0", {})
+    # Sustained: trajectories/s in each tenth of the measured steps (the slowest tenth).
+    rates = []
+    for k in range(10):
+        lo, hi = 2 + (len(lines) - 2) * k // 10, 2 + (len(lines) - 2) * (k + 1) // 10
+        if hi > lo:
+            dt = lines[hi - 1]["t1"] - lines[lo - 1]["t1"]
+            rates.append(sum(x["n"] for x in lines[lo:hi]) / max(dt, 1e-9))
+    traj_ids = [i for x in lines for i in x["traj_ids"]]
+    draw_ids = [i for x in lines for i in x["draw_ids"]]
+    pulled = sum(x["pulled"] for r in ranks for x in r)
     return {
-        "mode": mode,
+        "mode": label,
+        "steps": len(lines),
+        "eta": args.eta,
+        "pin": args.pin,
+        "pull": not args.no_pull,
+        "traj_per_s_slowest_tenth": min(rates),
+        "traj_per_s_tenths": rates,
+        "max_staleness": max(x["stale"] for x in lines),
+        "steps_at_the_bound": sum(x["stale"] == args.eta for x in lines),
+        "trained_trajectories": len(traj_ids),
+        "trained_once": len(set(traj_ids)) == len(traj_ids) and len(set(draw_ids)) == len(draw_ids),
+        "pulled_bytes": pulled,
+        "pulled_bytes_per_s": sum(x["pulled"] for r in ranks for x in r[2:]) / seconds,
+        "served": served,
+        "served_bytes": sum(f["fetch_bytes"] for f in served) if served else None,
         "trajectories": n,
         "traj_per_s": n / seconds,
         "mean_tokens": sum(x["tokens"] for x in measured) / n,
@@ -239,6 +326,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
         "admit_p50_s": statistics.median(x["p50"] for x in measured if x["p50"] is not None),
         "admit_p99_s": max(x["p99"] for x in measured if x["p99"] is not None),
         "controller_limit_traj_per_s": 1000 / ctrl["cpu_ms_per_traj"] if ctrl else float("nan"),
+        "controller_busy": ctrl.get("cpu_busy", float("nan")),
         "procs": per_proc,
     }
 
@@ -249,11 +337,16 @@ def report(results: list[dict]) -> None:
         ("trajectories measured", "trajectories", "{:.0f}"),
         ("mean tokens / trajectory", "mean_tokens", "{:.0f}"),
         ("pipeline trajectories/s (this machine)", "traj_per_s", "{:.1f}"),
+        ("  in the slowest tenth of the steps", "traj_per_s_slowest_tenth", "{:.1f}"),
         ("controller bytes / step", "controller_bytes_per_step", "{:.3g}"),
         ("batch bytes / step", "batch_bytes_per_step", "{:.3g}"),
         ("admit-to-buffer p50 s", "admit_p50_s", "{:.3f}"),
         ("admit-to-buffer p99 s (max over steps)", "admit_p99_s", "{:.3f}"),
         ("controller limit, traj/s on one core", "controller_limit_traj_per_s", "{:.0f}"),
+        ("controller CPU busy (share of one core)", "controller_busy", "{:.2f}"),
+        ("pulled bytes/s (all ranks)", "pulled_bytes_per_s", "{:.3g}"),
+        ("max staleness over the steps", "max_staleness", "{:.0f}"),
+        ("steps whose batch is at the bound", "steps_at_the_bound", "{:.0f}"),
     ]
     head = f"{'':42}" + "".join(f"{m:>14}" for m in modes)
     print(head + (f"{'ratio':>10}" if len(modes) == 2 else ""))
@@ -264,8 +357,35 @@ def report(results: list[dict]) -> None:
             line += f"{vals[1] / vals[0]:>10.3g}"
         print(line)
     for r in results:
+        eta, pin = r["eta"], r["pin"]
+        where = (
+            "every process on every CPU"
+            if pin is None
+            else (f"controller0 pinned to CPU {pin}, every other process to the other CPUs")
+        )
+        print(
+            f"{r['mode']}: {r['steps']} steps, max_staleness={eta}; {where}; trainer ranks "
+            + ("pull their shards" if r["pull"] else "take the references and pull nothing")
+        )
+        ok = r["max_staleness"] <= eta and r["trained_once"]
+        print(
+            f"{r['mode']}: bound {'holds' if ok else 'BROKEN'}: max staleness "
+            f"{r['max_staleness']} <= {eta}; {r['trained_trajectories']} trajectories "
+            f"trained, {'each once' if r['trained_once'] else 'SOME TWICE'}"
+        )
+        if r["served"]:
+            same = "==" if r["served_bytes"] == r["pulled_bytes"] else "!="
+            print(
+                f"{r['mode']}: bytes pulled by the ranks {r['pulled_bytes']} {same} served "
+                f"by the feeders {r['served_bytes']}; made "
+                f"{sum(f['made'] for f in r['served'])} trajectories, fetched "
+                f"{sum(f['fetched'] for f in r['served'])}"
+            )
         share = r["controller_bytes_per_step"] / max(r["batch_bytes_per_step"], 1)
-        print(f"{r['mode']}: controller bytes per step = {100 * share:.2f}% of the batch's bytes")
+        if r["pull"]:  # else the batch's bytes never move
+            print(
+                f"{r['mode']}: controller bytes per step = {100 * share:.2f}% of the batch's bytes"
+            )
     print("\nresident memory, MiB at a tenth of the steps -> at the end (KiB per 10k trajectories)")
     for name in sorted({n for r in results for n in r["procs"]}):
         cells = [
@@ -300,7 +420,18 @@ def main() -> None:
     p.add_argument("--mean-tokens", type=float, default=8000)
     p.add_argument("--max-tokens", type=int, default=27648)
     p.add_argument("--tokens-per-s", type=float, default=100000, help="per request")
-    p.add_argument("--modes", default="relay,pull")
+    p.add_argument("--modes", default=None, help="relay,pull (replay: pull only)")
+    p.add_argument(
+        "--feed",
+        choices=("pipeline", "replay"),
+        default="pipeline",
+        help="pipeline: fake servers, rollout workers, grading; replay: feeders "
+        "(benchmarks/replay_feeder.py) answer the controller at once, from pre-built tokens",
+    )
+    p.add_argument("--eta", type=int, default=4, help="max_staleness")
+    p.add_argument("--pin", type=int, default=None, help="CPU for the controller alone")
+    p.add_argument("--no-pull", action="store_true", help="trainer ranks fetch nothing")
+    p.add_argument("--out", default=None, help="write the results (JSON) here too")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--root", default="/tmp/areal-data-plane-bench")
     p.add_argument("--trainer-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -309,10 +440,16 @@ def main() -> None:
     if args.trainer_rank is not None:
         exp = Path(args.exp_dir)
         out = exp / f"steps.rank{args.trainer_rank}.jsonl"
-        trainer_rank(exp, args.trainer_rank, args.ranks, args.steps, out)
+        trainer_rank(exp, args.trainer_rank, args.ranks, args.steps, out, not args.no_pull)
         return
+    if args.modes is None:
+        args.modes = "pull" if args.feed == "replay" else "relay,pull"
+    if args.feed == "replay" and args.modes != "pull":
+        p.error("--feed replay feeds the pull data plane only (--modes pull)")
     results = [run_mode(m, args, Path(args.root)) for m in args.modes.split(",")]
     print(json.dumps(results, indent=1), file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
     report(results)
 
 

@@ -206,3 +206,33 @@ def test_a_killed_holder_fails_the_pull_after_one_retry_naming_it_and_its_log(tm
     assert str(tmp_path / "logs" / "holder0.log") in msg
     assert refs[0].holder in msg
     assert time.monotonic() - t0 >= 2.0  # two attempts of 1 s each, not one
+
+
+@pytest.mark.timeout(60)
+def test_the_harness_replay_feed_trains_each_trajectory_once_within_the_bound(tmp_path):
+    """benchmarks/data_plane.py --feed replay: feeders answer the real controller at once and
+    hold what they made; the trainer ranks pull it. Behaviour, not speed: every trajectory
+    admitted is trained once, fetched once, within the staleness bound, which is reached
+    (the feed outruns the trainer); every byte the ranks pulled, the feeders served."""
+    root = Path(__file__).parents[2]
+    out = tmp_path / "results.json"
+    steps, batch, group, eta = 6, 4, 4, 1
+    cmd = [
+        sys.executable, str(root / "benchmarks/data_plane.py"), "--feed", "replay",
+        "--steps", str(steps), "--batch", str(batch), "--group", str(group),
+        "--eta", str(eta), "--mean-tokens", "256", "--max-tokens", "1024",
+        "--root", str(tmp_path / "runs"), "--timeout", "50", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=55)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (r,) = json.loads(out.read_text())
+    assert r["mode"] == "replay" and r["steps"] == steps
+    assert r["trained_trajectories"] == steps * batch * group
+    assert r["trained_once"]
+    assert r["max_staleness"] <= eta and r["steps_at_the_bound"] > 0
+    fed = r["served"]
+    assert sum(f["fetched"] for f in fed) == r["trained_trajectories"]  # each fetched once
+    assert sum(f["made"] for f in fed) >= r["trained_trajectories"]
+    assert r["pulled_bytes"] == r["served_bytes"] > 0
+    assert "bound holds" in done.stdout and "each once" in done.stdout
