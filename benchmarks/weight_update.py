@@ -1,7 +1,7 @@
 """A new version from the trainer to every server: through disk against by broadcast.
 
     python benchmarks/weight_update.py [--shapes 0.5b,1.5b] [--servers 2] [--repeats 3]
-        [--dtype bfloat16] [--dir /tmp] [--modes disk,broadcast,delta] [--lora-rank 16]
+        [--dtype bfloat16] [--dir /tmp] [--modes disk,broadcast,shared,delta] [--lora-rank 16]
 
 Real embedded server processes (--servers of them) hold a random Qwen2 of the shape; this
 process stands in for trainer rank 0 and holds the same weights. Each repeat makes a new
@@ -15,7 +15,10 @@ ways, interleaved:
   weight-update group (formed once, before the timing: a run forms it at its first
   update); per bucket of --bucket-mb, every server's /update_weights_from_distributed
   concurrently with the trainer's broadcast;
-- delta (weights.delta): the same, but only the entries that changed since the version the
+- shared (weights.shared_memory, a run's default where every server is on the trainer's
+  node): the same group's handshakes, each bucket's bytes through one file in /dev/shm that
+  this process writes and every server maps (weight_group's backend "shm");
+- delta (weights.delta): as broadcast, but only the entries that changed since the version the
   servers hold (positions as gaps of a byte, values and a checksum per tensor;
   areal/weight_group.py).
 With --lora-rank R (model.lora), after those: an adapter of rank R on every linear layer of
@@ -28,8 +31,8 @@ the decoder (float32 A and B, as trained; every entry moves each step), handed o
 Timed from "the trainer holds vN" to "every server answers a generate with vN" (one token,
 its weight_version checked). Also: the trainer's blocked time (disk: the write; broadcast:
 the sends; delta: encoding and sends) and the bytes moved (disk: written once + read by
-each server; broadcast: sent to each server). Medians in seconds; the ratios disk /
-broadcast and delta bytes / full bytes last.
+each server; broadcast, shared: sent to each server). Medians in seconds; the ratios disk /
+broadcast, disk / shared and delta bytes / full bytes last.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ QWEN2_0P5B = dict(
     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
     rope_theta=1000000.0, tie_word_embeddings=True,
 )  # fmt: skip
-MODES = ("disk", "broadcast", "delta", "lora_disk", "lora_broadcast")
+MODES = ("disk", "broadcast", "shared", "delta", "lora_disk", "lora_broadcast")
 LORA_ALPHA = 32.0
 SHAPES = {
     "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
@@ -205,22 +208,22 @@ async def start_servers(root: Path, model_dir: Path, args) -> tuple[list, list]:
     return procs, clients
 
 
-async def form_group(clients: list, n: int):
-    """The trainer (this process, rank 0) and the servers in one gloo group."""
-    name, port = "bench", free_port("127.0.0.1")
+async def form_group(clients: list, n: int, backend: str):
+    """The trainer (this process, rank 0) and the servers in one group (gloo or shm)."""
+    name, port = f"bench-{backend}", free_port("127.0.0.1")
     joining = [
-        c.init_weights_update_group("127.0.0.1", port, k + 1, n + 1, name, "gloo")
+        c.init_weights_update_group("127.0.0.1", port, k + 1, n + 1, name, backend)
         for k, c in enumerate(clients)
     ]
     opening = asyncio.to_thread(
-        weight_group.open_group, backend="gloo", master_address="127.0.0.1",
+        weight_group.open_group, backend=backend, master_address="127.0.0.1",
         master_port=port, rank=0, world_size=n + 1, group_name=name, timeout_s=600,
     )  # fmt: skip
     group, *_ = await asyncio.gather(opening, *joining)
     return group
 
 
-async def timed_rows(root: Path, model_dir: Path, tensors: dict, clients, group, args) -> dict:
+async def timed_rows(root: Path, model_dir: Path, tensors: dict, clients, groups, args) -> dict:
     """Each mode's (total s, blocked s, bytes) per repeat: the full-weight modes interleaved,
     then the LoRA ones (a whole version replaces a server's LoRA base: interleaved, each
     adapter would copy it again)."""
@@ -232,7 +235,7 @@ async def timed_rows(root: Path, model_dir: Path, tensors: dict, clients, group,
                   [m for m in rows if m.startswith("lora")]):  # fmt: skip
         if phase and phase[0].startswith("lora"):  # untimed: the servers copy their base
             version += 1
-            await by_broadcast(group, adapter, clients, version, bucket, lora=lora)
+            await by_broadcast(groups["gloo"], adapter, clients, version, bucket, lora=lora)
         for _ in range(args.repeats if phase else 0):
             for mode in phase:
                 version += 1
@@ -246,9 +249,13 @@ async def timed_rows(root: Path, model_dir: Path, tensors: dict, clients, group,
                 elif mode == "lora_disk":
                     row = await by_lora_disk(root, adapter, lora, clients, version)
                 elif mode == "lora_broadcast":
-                    row = await by_broadcast(group, adapter, clients, version, bucket, lora=lora)
+                    row = await by_broadcast(groups["gloo"], adapter, clients, version, bucket,
+                                             lora=lora)  # fmt: skip
+                elif mode == "shared":
+                    row = await by_broadcast(groups["shm"], tensors, clients, version, bucket)
                 else:
-                    row = await by_broadcast(group, tensors, clients, version, bucket, held)
+                    row = await by_broadcast(groups["gloo"], tensors, clients, version, bucket,
+                                             held)  # fmt: skip
                 rows[mode].append(row)
                 del held
     return rows
@@ -265,9 +272,10 @@ async def run_shape(shape: str, args) -> dict:
         procs, clients = [], []
         try:
             procs, clients = await start_servers(root, model_dir, args)
-            group = await form_group(clients, args.servers)
-            rows = await timed_rows(root, model_dir, tensors, clients, group, args)
-            group.close()
+            groups = {b: await form_group(clients, args.servers, b) for b in ("gloo", "shm")}
+            rows = await timed_rows(root, model_dir, tensors, clients, groups, args)
+            for group in groups.values():
+                group.close()
         finally:
             for c in clients:
                 await c.close()
@@ -288,7 +296,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=512.0)
     parser.add_argument("--lr", type=float, default=1e-6, help="the step of each new version")
     parser.add_argument("--dir", default=None, help="where weights/vN is written (run storage)")
-    parser.add_argument("--modes", default=",".join(MODES[:3]), help=f"of {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES[:4]), help=f"of {', '.join(MODES)}")
     parser.add_argument("--lora-rank", type=int, default=0, help="the adapter of the lora modes")
     args = parser.parse_args()
     modes = args.modes.split(",")
@@ -318,6 +326,8 @@ def ratios(r: dict, args) -> str:
     out = []
     if "disk" in r and "broadcast" in r:
         out.append(f"disk/bcast {r['disk'][0] / r['broadcast'][0]:.2f}x")
+    if "disk" in r and "shared" in r:
+        out.append(f"disk/shared {r['disk'][0] / r['shared'][0]:.2f}x")
     if "delta" in r and "broadcast" in r:
         out.append(f"delta/full bytes {r['delta'][2] / r['broadcast'][2]:.3f}")
     if "lora_broadcast" in r:
