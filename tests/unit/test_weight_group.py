@@ -278,3 +278,31 @@ def test_buckets_keep_the_parts_of_a_delta_together():
     named = [("x", torch.zeros(10)), *parts, ("y", torch.zeros(10))]
     got = [[n for n, _ in b] for b in wg.buckets(named, 100)]
     assert got == [["x"], ["a:gap8", "a:val", "a:sum"], ["y"]]
+
+
+def test_a_group_goes_through_shared_memory_only_where_every_server_is_on_this_node(tmp_path):
+    """The trainer's choice for each new group: shm where every registered server listens on
+    this node's address and /dev/shm has room for a version, else gloo's sockets; never
+    with weights.shared_memory=false, nor once a server could not map (broadcast.py)."""
+    from areal.comm.net import advertised_host
+    from areal.comm.registry import Registry
+    from areal.config import load_config
+    from areal.trainer.broadcast import WeightBroadcaster
+
+    def broadcaster(*overrides: str) -> WeightBroadcaster:
+        cfg = load_config(None, [f"fileroot={tmp_path}", "weights.transport=distributed",
+                                 "rollout.n_servers=2", *overrides])  # fmt: skip
+        return WeightBroadcaster(cfg, tmp_path / "model", 0)
+
+    b = broadcaster()
+    registry = Registry(b.cfg.exp_dir)
+    registry.register("server", 0, f"http://{advertised_host()}:1")
+    assert b._group_backend(1000) == "shm"  # server 1 not up: decided again for its group
+    registry.register("server", 1, "http://10.1.2.3:1")
+    assert b._group_backend(1000) == "gloo"
+    registry.register("server", 1, f"http://{advertised_host()}:2")
+    assert b._group_backend(1000) == "shm"
+    assert b._group_backend(10**15) == "gloo"  # no room for a version in /dev/shm
+    b.shared_memory = False  # what a NotShared failure sets
+    assert b._group_backend(1000) == "gloo"
+    assert broadcaster("weights.shared_memory=false")._group_backend(1000) == "gloo"
