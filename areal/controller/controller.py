@@ -57,6 +57,7 @@ from areal.controller.pool import WorkerPool
 from areal.controller.staleness import StalenessGate
 from areal.data_plane import TrajectoryStore
 from areal.process import RESTARTS_ENV
+from areal.rollout.backends import load_backend
 from areal.trajectory import Trajectory, TrajectoryRef
 from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, Workflow, load_workflow
 
@@ -100,10 +101,8 @@ class Controller:
         self.rows = rows
         self.tokenizer = tokenizer
         self.reward = reward
-        # Every worker of a tensor-parallel SGLang or vLLM server is a rank of the
-        # weight-update group; an embedded server is one process.
-        tp = 1 if cfg.inference.backend == "embedded" else cfg.inference.tp_size
-        self.pool = WorkerPool(workers, cfg.exp_dir, ranks_per_server=tp)
+        ranks = load_backend(cfg.inference.backend).group_ranks(cfg)
+        self.pool = WorkerPool(workers, cfg.exp_dir, ranks_per_server=ranks)
         self.draws = Draws(rows, cfg.seed)
         self.gate = StalenessGate(
             cfg.trainer.batch_size, cfg.max_staleness, cfg.rollout.max_concurrent

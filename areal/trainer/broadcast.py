@@ -45,6 +45,7 @@ from areal.comm.registry import Registry
 from areal.comm.rpc import SyncRpcClient
 from areal.config import ExperimentConfig
 from areal.lora import adapter_leaves, layer_of, merged_cost, peft_config, write_adapter
+from areal.rollout.backends import load_backend
 from areal.rollout.sglang_api import DELTA, LORA
 from areal.trainer.backends.torch import lora_spec
 from areal.weights import publish, version_dir, write_tensors
@@ -60,7 +61,7 @@ class WeightBroadcaster:
         self.model_dir = Path(model_dir)
         self.dtype = getattr(torch, cfg.model.dtype)
         self.bucket_bytes = int(cfg.weights.bucket_mb * 2**20)
-        self.backend = "nccl" if cfg.inference.backend == "sglang" else "gloo"
+        self.backend = load_backend(cfg.inference.backend).group_backend
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.shared_memory = self.backend == "gloo" and cfg.weights.shared_memory
         """The bytes through /dev/shm where every server is on this node (see _group_backend)."""

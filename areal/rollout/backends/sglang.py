@@ -39,6 +39,7 @@ them (-> where the value comes from)."""
 
 class SGLang(InferenceBackend):
     name = "sglang"
+    group_backend = "nccl"  # its servers receive on their GPUs
 
     def check(self, cfg: Any) -> None:
         check_owned_args(cfg.inference.extra_args, OWNED_ARGS)
