@@ -14,8 +14,12 @@ backend "shm", every rank on one node: a gloo group for the handshakes, and each
 bytes through a file in /dev/shm (memory) that rank 0 writes once and every receiver maps,
 as NCCL moves bytes within a node. gloo's TCP sends the bucket to each receiver in turn
 (about 1.1 GB/s on loopback); here rank 0 copies it once and each receiver copies it out.
-    rank 0: write /dev/shm/areal-{pid}-{group}-{seq} --broadcast [pid, seq, bytes]-->
-            <--all-reduce: how many receivers failed to map it--  unlink (the maps live on)
+    rank 0: bucket k into slot k % 2 of /dev/shm/areal-{pid}-{group}-{n} (mapped once; a
+            new file, n + 1, for a larger bucket; unlinked once mapped: the maps live on)
+            --broadcast [pid, n, k, offset, bytes, file bytes]-->   receivers map it once
+            <--all-reduce: how many receivers could not map it--
+            receivers: views of the slot until their next receive, which first tells the
+            store they let go of bucket k (rank 0 waits for that before reusing the slot)
 
 An update is SGLang's `/update_weights_from_distributed`: the names, dtypes and shapes of a
 bucket, then one broadcast per tensor in that order; the receiver allocates each tensor from
@@ -44,6 +48,7 @@ import datetime
 import math
 import mmap
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -108,8 +113,9 @@ def open_group(
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return Group(
-        name=group_name, rank=rank, world_size=world_size, pg=pg, store=store, backend=backend
-    )
+        name=group_name, rank=rank, world_size=world_size, pg=pg, store=store, backend=backend,
+        timeout_s=timeout_s,
+    )  # fmt: skip
 
 
 @dataclass
@@ -121,11 +127,15 @@ class Group:
     store: dist.Store
     """Kept with the group: rank 0 serves it for as long as the group lives."""
     backend: str = "gloo"
-    sent: int = 0
-    """shm: the buckets rank 0 has sent (each one's file is named by its number)."""
+    timeout_s: float = 120.0
+    buckets: int = 0
+    """shm: the buckets sent (rank 0) or received so far."""
+    ring: _Ring | None = None
+    """shm: the file of bucket slots (rank 0's, or this receiver's map of it)."""
 
     def close(self) -> None:
         """Leave and free the group (a broken one too)."""
+        self.ring = None  # the map goes with its last view
         try:
             dist.destroy_process_group(self.pg)
         except Exception:  # a group whose peer died may refuse a clean shutdown: drop it
@@ -154,6 +164,20 @@ class NotShared(RuntimeError):
     """A receiver of a shm group could not map rank 0's file (not on its node)."""
 
 
+@dataclass
+class _Ring:
+    """shm: one file of two bucket slots, mapped once per side. Memory touched the first
+    time is what costs (1-2 GB/s on the 2-core machines, against 8 once mapped), so the
+    slots are reused: bucket k goes to slot k % 2 once every receiver let go of bucket k-2."""
+
+    path: str
+    number: int
+    """Its place in the group's files (a larger bucket makes a new one, numbered on)."""
+    slot: int
+    view: torch.Tensor
+    """uint8 over the whole file (it holds the map open)."""
+
+
 def _offsets(nbytes: Iterable[int]) -> tuple[list[int], int]:
     """Where each tensor of a shared bucket starts, and the bucket's size."""
     offsets, end = [], 0
@@ -163,34 +187,64 @@ def _offsets(nbytes: Iterable[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _shared_path(pid: int, group: Group, seq: int) -> str:
-    return os.path.join(SHM_DIR, f"areal-{pid}-{group.name}-{seq}")
+def _ring_path(pid: int, group: Group, number: int) -> str:
+    return os.path.join(SHM_DIR, f"areal-{pid}-{group.name}-{number}")
+
+
+def _map(path: str, size: int, writable: bool) -> torch.Tensor:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR if writable else os.O_RDONLY, 0o600)
+    try:
+        if writable:
+            os.ftruncate(fd, size)
+        # A receiver's map is private (what it might write stays its own) and sees rank 0's
+        # writes to the pages it has not written.
+        m = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(m, dtype=torch.uint8)
+
+
+def _wait_released(group: Group, bucket: int) -> None:
+    """Rank 0: until every receiver let go of `bucket` (it says so when it starts on the
+    next one), within the group's deadline."""
+    target = bucket * (group.world_size - 1)
+    deadline = time.monotonic() + group.timeout_s
+    while target > 0 and group.store.add(f"{group.name}/released", 0) < target:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the receivers of group {group.name} did not let go of bucket {bucket} "
+                f"within {group.timeout_s:g} s"
+            )
+        time.sleep(0.0005)
 
 
 def _send_shared(group: Group, tensors: list[torch.Tensor]) -> None:
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets, total = _offsets(sizes)
-    group.sent += 1
-    path = _shared_path(os.getpid(), group, group.sent)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, max(total, 1))
-        with mmap.mmap(fd, max(total, 1)) as m:
-            out = torch.frombuffer(m, dtype=torch.uint8)
-            for t, at, n in zip(tensors, offsets, sizes, strict=True):
-                out[at : at + n].copy_(t.detach().cpu().contiguous().view(-1).view(torch.uint8))
-            del out  # before the map closes
-        _broadcast_all(group.pg, [torch.tensor([os.getpid(), group.sent, total])])
-        failed = torch.zeros(1, dtype=torch.int64)
-        group.pg.allreduce([failed]).wait()
-    finally:
-        os.close(fd)
-        os.unlink(path)  # the receivers' maps keep the bytes until they drop them
+    k = group.buckets + 1
+    _wait_released(group, k - 2)  # the slot's last bucket
+    ring, fresh = group.ring, group.ring is None or total > group.ring.slot
+    if fresh:
+        _wait_released(group, k - 1)  # nobody reads the old file any more
+        number = ring.number + 1 if ring else 1
+        slot = max(total, ring.slot if ring else 0, _ALIGN)
+        path = _ring_path(os.getpid(), group, number)
+        ring = group.ring = _Ring(path, number, slot, _map(path, 2 * slot, writable=True))
+    at = (k % 2) * ring.slot
+    for t, o, n in zip(tensors, offsets, sizes, strict=True):
+        ring.view[at + o : at + o + n].copy_(t.detach().cpu().reshape(-1).view(torch.uint8))
+    header = torch.tensor([os.getpid(), ring.number, k, at, total, 2 * ring.slot])
+    _broadcast_all(group.pg, [header])
+    failed = torch.zeros(1, dtype=torch.int64)
+    group.pg.allreduce([failed]).wait()  # each receiver has mapped the file, or says it cannot
+    group.buckets = k
+    if fresh:
+        os.unlink(ring.path)  # the maps keep it; no file outlives the processes
     if int(failed):
         raise NotShared(
-            f"{int(failed)} receiver(s) of group {group.name} could not map {path}: not on "
-            "this node, or no room in /dev/shm (weights.shared_memory=false sends over the "
-            "socket)"
+            f"{int(failed)} receiver(s) of group {group.name} could not map {ring.path}: not "
+            "on this node, or no room in /dev/shm (weights.shared_memory=false sends over "
+            "the socket)"
         )
 
 
@@ -224,34 +278,32 @@ def _receive_shared(
     shapes: list[list[int]],
     device: str | torch.device,
 ) -> dict[str, torch.Tensor]:
-    """The bucket as views of rank 0's file, mapped copy-on-write (no copy until used)."""
+    """The bucket as views of rank 0's file: valid until the next receive over the group
+    (whoever keeps them longer copies them)."""
     numels = [math.prod(shape) for shape in shapes]
     offsets, total = _offsets(n * d.itemsize for n, d in zip(numels, dtypes, strict=True))
-    header = torch.zeros(3, dtype=torch.int64)
+    if group.buckets:  # done with the last bucket's views: its slot may be written again
+        group.store.add(f"{group.name}/released", 1)
+    header = torch.zeros(6, dtype=torch.int64)
     _broadcast_all(group.pg, [header])
-    pid, seq, size = (int(x) for x in header)
-    path = _shared_path(pid, group, seq)
+    pid, number, k, at, size, file_size = (int(x) for x in header)
     failed, problem = torch.zeros(1, dtype=torch.int64), None
     try:
         if size != total:
             raise ValueError(f"the sender's bucket has {size} bytes, its names and shapes {total}")
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            m = mmap.mmap(fd, max(total, 1), access=mmap.ACCESS_COPY)
-        finally:
-            os.close(fd)
+        if group.ring is None or group.ring.number != number:
+            path = _ring_path(pid, group, number)
+            group.ring = _Ring(path, number, file_size // 2, _map(path, file_size, False))
     except (OSError, ValueError) as e:
         failed[0], problem = 1, e
-    group.pg.allreduce([failed]).wait()  # rank 0 unlinks the file after this
+    group.pg.allreduce([failed]).wait()  # rank 0 unlinks a new file after this
+    group.buckets = k
     if problem is not None:
-        raise RuntimeError(f"could not map the shared bucket {path}: {problem}") from problem
+        raise RuntimeError(f"could not map the shared bucket: {problem}") from problem
+    view = group.ring.view
     return {
-        name: (
-            torch.frombuffer(m, dtype=dtype, count=n, offset=at).view(shape)
-            if n
-            else torch.empty(shape, dtype=dtype)
-        ).to(device)
-        for name, dtype, shape, n, at in zip(names, dtypes, shapes, numels, offsets, strict=True)
+        name: view[at + o : at + o + n * dtype.itemsize].view(dtype).view(shape).to(device)
+        for name, dtype, shape, n, o in zip(names, dtypes, shapes, numels, offsets, strict=True)
     }
 
 

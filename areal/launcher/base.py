@@ -23,6 +23,7 @@ SIGTERM (scancel, kill) and Ctrl-C stop everything too.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import re
 import signal
@@ -38,6 +39,7 @@ from typing import NoReturn, Protocol
 from areal.comm.registry import Registry
 from areal.config import ExperimentConfig
 from areal.controller.failures import NO_PROGRESS_EXIT, REPORT_MARK
+from areal.cores import ledger_path
 from areal.launcher.plan import Plan, Step
 from areal.launcher.progress import Progress, StartWaits
 from areal.loggers import MetricSink, make_loggers
@@ -226,6 +228,9 @@ class Launcher(abc.ABC):
             # The group too: a role's own children (grading pools) must not outlive it.
             p.handle.signal(signal.SIGKILL)
             p.handle.wait(None)
+        # The core ledger's name: the first role to leave removes it, but not a killed one.
+        with contextlib.suppress(OSError):
+            os.unlink(ledger_path(self.exp_dir))
 
     def run(self, resume: Callable[[int], None] | None = None) -> int:
         """Start all steps, show progress, stop everything; returns the exit code.

@@ -221,7 +221,9 @@ class AReaLWorker:
             held = self._areal_held = (weight_version, {})
         # Off the accelerator until the version is complete: a second copy of the model there
         # could leave no room for the KV cache.
-        held[1].update((name, t.cpu()) for name, t in received.items())
+        # (A shm group's tensors are views of a slot the next bucket may reuse: copies.)
+        copy = group.backend == "shm"
+        held[1].update((name, t.to("cpu", copy=copy)) for name, t in received.items())
         expected = self._areal_checkpoint_shapes()
         problems = [
             f"unexpected tensor {name}" if name not in expected else

@@ -14,6 +14,7 @@ import pytest
 
 from areal.checkpoint import latest
 from areal.comm.wire import unpack
+from areal.cores import ledger_path
 from tests.system.test_run import (
     _wait_for,
     cmdline,
@@ -106,3 +107,4 @@ def test_killed_roles_are_recovered_and_no_draw_is_trained_twice_or_lost(tmp_pat
     retry = [row["draw_id"] for row in state["retry"]]
     assert sorted(trained + ready + retry) == list(range(state["pos"]))
     _wait_for(lambda: processes_mentioning(str(tmp_path)) == [], 10, "no orphans")
+    assert not os.path.exists(ledger_path(exp_dir))  # killed roles leave it; the launcher not

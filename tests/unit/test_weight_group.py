@@ -306,3 +306,48 @@ def test_a_group_goes_through_shared_memory_only_where_every_server_is_on_this_n
     b.shared_memory = False  # what a NotShared failure sets
     assert b._group_backend(1000) == "gloo"
     assert broadcaster("weights.shared_memory=false")._group_backend(1000) == "gloo"
+
+
+def _buckets_to_share() -> list[list[torch.Tensor]]:
+    """Four buckets: two in the first file's slots, one larger (a new file), one after it."""
+    return [[torch.full((1000,), float(i)), torch.arange(i + 3)] for i in range(2)] + [
+        [torch.full((300_000,), 2.0), torch.arange(5)],
+        [torch.full((10,), 3.0), torch.arange(6)],
+    ]
+
+
+def _shared_receiver(port: int, out: mp.Queue) -> None:
+    try:
+        group = wg.open_group(
+            backend="shm", master_address="127.0.0.1", master_port=port, rank=1,
+            world_size=2, group_name="g", timeout_s=60,
+        )  # fmt: skip
+        got = []
+        for bucket in _buckets_to_share():
+            shapes = [list(t.shape) for t in bucket]
+            dtypes = [wg.dtype_name(t.dtype) for t in bucket]
+            views = wg.receive(group, ["x", "y"], dtypes, shapes)
+            got.append([views[n].tolist() for n in ("x", "y")])  # used before the next
+        out.put(got)
+        group.close()
+    except Exception as e:  # the parent checks it
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def test_shared_buckets_reuse_two_slots_and_a_larger_one_makes_a_new_file():
+    port = free_port("127.0.0.1")
+    out = mp.get_context("spawn").Queue()
+    proc = _spawn(_shared_receiver, port, out)
+    group = wg.open_group(
+        backend="shm", master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+        group_name="g", timeout_s=60,
+    )  # fmt: skip
+    sent = _buckets_to_share()
+    for bucket in sent:
+        wg.send(group, bucket)
+    assert group.ring.number == 2 and group.buckets == 4
+    got = out.get(timeout=60)
+    assert got == [[t.tolist() for t in b] for b in sent], str(got)[:300]
+    assert not [f for f in os.listdir(wg.SHM_DIR) if f.startswith(f"areal-{os.getpid()}-")]
+    proc.join(30)
+    group.close()
