@@ -234,12 +234,14 @@ def _send_shared(group: Group, tensors: list[torch.Tensor]) -> None:
     for t, o, n in zip(tensors, offsets, sizes, strict=True):
         ring.view[at + o : at + o + n].copy_(t.detach().cpu().reshape(-1).view(torch.uint8))
     header = torch.tensor([os.getpid(), ring.number, k, at, total, 2 * ring.slot])
-    _broadcast_all(group.pg, [header])
     failed = torch.zeros(1, dtype=torch.int64)
-    group.pg.allreduce([failed]).wait()  # each receiver has mapped the file, or says it cannot
+    try:
+        _broadcast_all(group.pg, [header])
+        group.pg.allreduce([failed]).wait()  # each receiver has mapped the file, or cannot
+    finally:
+        if fresh:  # the maps keep it: only a kill within this handshake leaves the file
+            os.unlink(ring.path)
     group.buckets = k
-    if fresh:
-        os.unlink(ring.path)  # the maps keep it; no file outlives the processes
     if int(failed):
         raise NotShared(
             f"{int(failed)} receiver(s) of group {group.name} could not map {ring.path}: not "
