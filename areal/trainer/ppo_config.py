@@ -258,28 +258,7 @@ class PPOConfig(Section):
         self._one_of("behav_imp_weight_level", ("token", "sequence", "geometric"))
         self._positive("n_minibatches", "reward_scale")
         self._one_of("adv_estimator", ADV_ESTIMATORS)
-        if self.adv_estimator == "norm":
-            self._one_of("adv_norm", ("batch", "group", "none"))
-        elif self.adv_estimator == "gae":
-            self._one_of("adv_norm", ("batch", "none"))  # per token: no group to take
-        elif self.adv_norm is not None or self.adv_std_norm is not None:
-            name = "adv_norm" if self.adv_norm is not None else "adv_std_norm"
-            self._fail(
-                name,
-                f"applies to adv_estimator=norm only (and to gae's whitening); adv_estimator="
-                f"{self.adv_estimator} "
-                "fixes its own normalisation (leave it out, or use adv_estimator=norm)",
-            )
-        if self.adv_estimator == "gae":
-            for name in ("gamma", "lam"):
-                if not 0 <= getattr(self, name) <= 1:
-                    self._fail(name, f"must be in [0, 1], got {getattr(self, name)!r}")
-        elif self.gamma is not None or self.lam is not None:
-            self._fail(
-                "gamma" if self.gamma is not None else "lam",
-                f"is GAE's (adv_estimator=gae, ppo.recipe=ppo); adv_estimator="
-                f"{self.adv_estimator} has no critic (leave it out, or use adv_estimator=gae)",
-            )
+        self._check_advantages()
         self._one_of("importance_sampling_level", ("token", "sequence", "sequence_token"))
         self._one_of("loss", ("ppo", "cispo", "sapo"))
         self._check_cispo()
@@ -311,22 +290,52 @@ class PPOConfig(Section):
             self._positive("overlong_buffer")
         if self.loss_agg_norm_len is not None:
             self._positive("loss_agg_norm_len")
-        if self.prox_approx != "none":
-            if not self.use_decoupled_loss:
+        self._check_prox_approx()
+
+    def _check_advantages(self) -> None:
+        """adv_norm, adv_std_norm, gamma and lam: each only where adv_estimator uses it."""
+        if self.adv_estimator == "norm":
+            self._one_of("adv_norm", ("batch", "group", "none"))
+        elif self.adv_estimator == "gae":
+            self._one_of("adv_norm", ("batch", "none"))  # per token: no group to take
+        elif self.adv_norm is not None or self.adv_std_norm is not None:
+            name = "adv_norm" if self.adv_norm is not None else "adv_std_norm"
+            self._fail(
+                name,
+                f"applies to adv_estimator=norm only (and to gae's whitening); adv_estimator="
+                f"{self.adv_estimator} "
+                "fixes its own normalisation (leave it out, or use adv_estimator=norm)",
+            )
+        if self.adv_estimator == "gae":
+            for name in ("gamma", "lam"):
+                if not 0 <= getattr(self, name) <= 1:
+                    self._fail(name, f"must be in [0, 1], got {getattr(self, name)!r}")
+        elif self.gamma is not None or self.lam is not None:
+            self._fail(
+                "gamma" if self.gamma is not None else "lam",
+                f"is GAE's (adv_estimator=gae, ppo.recipe=ppo); adv_estimator="
+                f"{self.adv_estimator} has no critic (leave it out, or use adv_estimator=gae)",
+            )
+
+    def _check_prox_approx(self) -> None:
+        """prox_approx needs the decoupled loss and no mask by the exact proximal policy."""
+        if self.prox_approx == "none":
+            return
+        if not self.use_decoupled_loss:
+            self._fail(
+                "prox_approx",
+                "approximates the decoupled loss's proximal policy: "
+                "set ppo.use_decoupled_loss=true or prox_approx=none",
+            )
+        masks = ("behav_imp_weight_cap", "behav_imp_weight_floor", "m2po_tau")
+        for name in masks if self.behav_imp_weight_mode == "mask" else masks[2:]:
+            if getattr(self, name) is not None:
                 self._fail(
                     "prox_approx",
-                    "approximates the decoupled loss's proximal policy: "
-                    "set ppo.use_decoupled_loss=true or prox_approx=none",
+                    f"cannot be combined with ppo.{name} (it masks by "
+                    "the exact proximal log-probs before the update): use prox_approx=none"
+                    " (or behav_imp_weight_mode=truncate)",
                 )
-            masks = ("behav_imp_weight_cap", "behav_imp_weight_floor", "m2po_tau")
-            for name in masks if self.behav_imp_weight_mode == "mask" else masks[2:]:
-                if getattr(self, name) is not None:
-                    self._fail(
-                        "prox_approx",
-                        f"cannot be combined with ppo.{name} (it masks by "
-                        "the exact proximal log-probs before the update): use prox_approx=none"
-                        " (or behav_imp_weight_mode=truncate)",
-                    )
 
     def behav_mask_bounds(self) -> tuple[float | None, float | None]:
         """(floor, cap) of the behaviour weight's mask; (None, None) when nothing is masked
