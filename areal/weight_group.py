@@ -44,6 +44,7 @@ between decode steps, checks the sum once, and undoes the bucket's deltas if one
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import mmap
@@ -191,6 +192,18 @@ def _ring_path(pid: int, group: Group, number: int) -> str:
     return os.path.join(SHM_DIR, f"areal-{pid}-{group.name}-{number}")
 
 
+def _remove_orphan_rings() -> None:
+    """Unlink the ring files of trainers that are gone: a trainer killed within a new file's
+    handshake leaves it (the memory stays taken until someone unlinks it)."""
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith("areal-"):
+            continue
+        pid = name.split("-")[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
+
+
 def _map(path: str, size: int, writable: bool) -> torch.Tensor:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR if writable else os.O_RDONLY, 0o600)
     try:
@@ -229,6 +242,7 @@ def _send_shared(group: Group, tensors: list[torch.Tensor]) -> None:
         number = ring.number + 1 if ring else 1
         slot = max(total, ring.slot if ring else 0, _ALIGN)
         path = _ring_path(os.getpid(), group, number)
+        _remove_orphan_rings()
         ring = group.ring = _Ring(path, number, slot, _map(path, 2 * slot, writable=True))
     at = (k % 2) * ring.slot
     for t, o, n in zip(tensors, offsets, sizes, strict=True):
@@ -239,7 +253,8 @@ def _send_shared(group: Group, tensors: list[torch.Tensor]) -> None:
         _broadcast_all(group.pg, [header])
         group.pg.allreduce([failed]).wait()  # each receiver has mapped the file, or cannot
     finally:
-        if fresh:  # the maps keep it: only a kill within this handshake leaves the file
+        if fresh:  # the maps keep it; a kill within this handshake leaves the file to the
+            # next trainer's _remove_orphan_rings
             os.unlink(ring.path)
     group.buckets = k
     if int(failed):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -335,6 +336,13 @@ def _shared_receiver(port: int, out: mp.Queue) -> None:
 
 
 def test_shared_buckets_reuse_two_slots_and_a_larger_one_makes_a_new_file():
+    """And a new file sweeps away what a killed trainer left: its ring files, not a live one's."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    orphan, other = (os.path.join(wg.SHM_DIR, f"areal-{p.pid}-g-1") for p in (dead, live))
+    for path in (orphan, other):
+        open(path, "wb").close()
     port = free_port("127.0.0.1")
     out = mp.get_context("spawn").Queue()
     proc = _spawn(_shared_receiver, port, out)
@@ -349,5 +357,8 @@ def test_shared_buckets_reuse_two_slots_and_a_larger_one_makes_a_new_file():
     got = out.get(timeout=60)
     assert got == [[t.tolist() for t in b] for b in sent], str(got)[:300]
     assert not [f for f in os.listdir(wg.SHM_DIR) if f.startswith(f"areal-{os.getpid()}-")]
+    assert not os.path.exists(orphan) and os.path.exists(other)
+    live.kill()
+    os.unlink(other)
     proc.join(30)
     group.close()
