@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--model {args.model!r} holds no config.json: give an HF model dir")
         resolve_settings(args)
         from areal.data.dataset import tokenize_rows
-        from areal.models.tokenizer import load_tokenizer
+        from areal.tokenizer import load_tokenizer
 
         args.tokenizer = load_tokenizer(args.model)
         rows = tokenize_rows(load_problems(args), args.tokenizer, args.max_prompt_len)

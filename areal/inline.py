@@ -325,8 +325,8 @@ def _model_and_tokenizer(
     import torch
 
     if isinstance(model, str | Path):
-        from areal.models.tokenizer import load_tokenizer
         from areal.preflight import check_model_dir
+        from areal.tokenizer import load_tokenizer
 
         check_model_dir(str(model))  # every problem of the directory at once (ConfigError)
         return str(model), tokenizer or load_tokenizer(str(model))

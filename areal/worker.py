@@ -19,8 +19,8 @@ from areal.comm.registry import Registry, load_key
 from areal.comm.rpc import RpcServer
 from areal.config import ExperimentConfig, load_config
 from areal.events import events_path
-from areal.models.tokenizer import load_tokenizer
 from areal.process import exit_now
+from areal.tokenizer import load_tokenizer
 
 # "server" registers inference server k and becomes it (areal/rollout/launch.py).
 ROLES = ("server", "controller", "rollout", "reward", "trainer")

@@ -163,7 +163,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
     prepare_experiment(cfg)
     exp = cfg.exp_dir
     (exp / "weights").mkdir(exist_ok=True)  # what the trainer ranks "publish" every step
-    from areal.models.tokenizer import load_tokenizer
+    from areal.tokenizer import load_tokenizer
 
     vocab = len(load_tokenizer(cfg.model.path))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}

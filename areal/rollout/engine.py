@@ -66,13 +66,13 @@ from transformers import AutoModelForCausalLM
 
 from areal.cores import Cores
 from areal.lora import adapter_layers, check_wire_config, is_adapter_dir, layers_of, merge_layers
-from areal.models.tokenizer import load_tokenizer
 from areal.rollout.activity import DecodeMeter
 from areal.rollout.generation import PAUSE_MODES, GenerationResult, Request, SamplingParams
 from areal.rollout.kv_cache import KVCache
 from areal.rollout.sampling import sample
 from areal.rollout.sglang_api import DELTA, LORA
 from areal.rollout.weight_loading import load_checked
+from areal.tokenizer import load_tokenizer
 from areal.weight_group import (
     BACKENDS,
     Group,

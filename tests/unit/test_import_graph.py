@@ -99,6 +99,15 @@ def test_tasks_and_reward_do_not_loop_at_folder_level():
     assert not [c for c in cycles(folders) if {"areal.tasks", "areal.reward"} & set(c)]
 
 
+def test_no_loop_between_folders():
+    """Folders depend one way: a role's folder (controller, launcher, rollout, workflow)
+    never reaches back to itself through another; a tokenizer, which every role loads, is
+    areal/tokenizer.py, not the models' folder (rollout -> models closed two loops)."""
+    folders = folder_graph(import_graph(ROOT / "areal"))
+    assert len(folders) >= 10
+    assert cycles(folders) == []
+
+
 def test_no_import_circle_in_areal():
     graph = import_graph(ROOT / "areal")
     assert len(graph) > 100 and "areal.rollout.inference" in graph

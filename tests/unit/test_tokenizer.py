@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from areal.models.tiny import TOOL_TAGS, build_tokenizer
-from areal.models.tokenizer import load_tokenizer
+from areal.tokenizer import load_tokenizer
 
 TEXTS = [
     "What is 3 + 4? Put the answer in \\boxed{}.",
@@ -47,7 +47,7 @@ def test_the_tiny_tokenizer_is_autotokenizers_and_imports_no_torch(tmp_path, tex
     build_tokenizer(1, list(texts)).save_pretrained(tmp_path)
     assert_same(load_tokenizer(str(tmp_path)), AutoTokenizer.from_pretrained(tmp_path))
     probe = (
-        "import sys; from areal.models.tokenizer import load_tokenizer; "
+        "import sys; from areal.tokenizer import load_tokenizer; "
         f"t = load_tokenizer({str(tmp_path)!r}); t.apply_chat_template([{{'role': 'user', "
         "'content': 'hi'}]); print(sorted(m for m in ('torch', 'transformers.modeling_utils') "
         "if m in sys.modules))"
