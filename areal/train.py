@@ -26,17 +26,45 @@ if TYPE_CHECKING:
     from areal.launcher.plan import Plan
     from areal.launcher.ray import RayNode
     from areal.launcher.slurm import Allocation
+    from areal.tasks import Task
 
 
 def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Checkpoint | None:
     """Make the experiment directory ready for a fresh or resumed run; resolve the model.
-    A directory holding another run is never overwritten (areal/run_dir.py)."""
-    from areal.checkpoint import checkpoints_root, latest
+    A directory holding another run is never overwritten (areal/run_dir.py).
+
+    1) check the inputs  2) claim the directory  3) clear what the previous run left and trim
+    its per-step files to the checkpoint  4) the key, the model, the config snapshot"""
+    from areal.checkpoint import latest
     from areal.comm.registry import create_key
-    from areal.data.dataset import load_rows
-    from areal.events import events_dir
     from areal.preflight import check_disk, check_model_dir
     from areal.run_dir import claim
+
+    task = _check_inputs(cfg)
+    exp = cfg.exp_dir
+    if not recovering:
+        claim(cfg)  # a run there is resumed, moved aside (overwrite=true) or refused
+    exp.mkdir(parents=True, exist_ok=True)
+    ckpt = latest(exp) if cfg.resume else None
+    if ckpt is not None and ckpt.version >= cfg.total_train_steps and not recovering:
+        return ckpt  # a finished run: main says so, and nothing in it changes
+    _clear_previous_run(exp, cfg.resume, recovering)
+    _trim_to_checkpoint(exp, ckpt, cfg.resume)
+    (exp / "logs").mkdir()
+    create_key(exp)
+    if not cfg.model.path:
+        cfg.model.path = str(_tiny_model(cfg, task))
+    check_model_dir(cfg.model.path)
+    check_disk(cfg, cfg.model.path)
+    save_config(cfg, exp / "config.yaml")
+    return ckpt
+
+
+def _check_inputs(cfg: ExperimentConfig) -> Task:
+    """The task, its rows, the workflow and a given model: each a user mistake best reported
+    now, in milliseconds, before the experiment directory changes."""
+    from areal.data.dataset import load_rows
+    from areal.preflight import check_model_dir
     from areal.tasks import load_task
 
     task = load_task(cfg.dataset.type)  # a task of the user's is imported first here
@@ -55,72 +83,74 @@ def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Check
         raise ConfigError(str(e)) from e
     if cfg.model.path:  # before the directory changes: a wrong model is refused in ms
         check_model_dir(cfg.model.path)
-    exp = cfg.exp_dir
-    if not recovering:
-        claim(cfg)  # a run there is resumed, moved aside (overwrite=true) or refused
-    exp.mkdir(parents=True, exist_ok=True)
-    ckpt = latest(exp) if cfg.resume else None
-    if ckpt is not None and ckpt.version >= cfg.total_train_steps and not recovering:
-        return ckpt  # a finished run: main says so, and nothing in it changes
-    if cfg.resume and not recovering and (exp / "logs").exists():
+    return task
+
+
+def _clear_previous_run(exp: Path, resume: bool, recovering: bool) -> None:
+    """Neither a fresh nor a resumed run may find the previous run's addresses, weights or
+    logs; a resumed run keeps the stopped run's logs aside."""
+    if resume and not recovering and (exp / "logs").exists():
         # The stopped run's logs stay (a recovery keeps its own in logs.attempt{n-1}).
         (exp / "logs").rename(exp / time.strftime("logs.resumed-%Y%m%d-%H%M%S"))
-    # Neither kind of run may find the previous run's addresses, weights or logs.
     for name in ("weights", "logs"):
         shutil.rmtree(exp / name, ignore_errors=True)
-    if not cfg.resume:
+    if not resume:
         for old in exp.glob("logs.attempt*"):  # an earlier run's recoveries
             shutil.rmtree(old, ignore_errors=True)
     for entry in (exp / "registry").glob("*/"):
         shutil.rmtree(entry, ignore_errors=True)
+
+
+def _trim_to_checkpoint(exp: Path, ckpt: Checkpoint | None, resume: bool) -> None:
+    """Without a checkpoint, the previous run's checkpoints, events and per-step files go;
+    with one, the per-step lines after it go (those steps will be trained again)."""
+    from areal.checkpoint import checkpoints_root
+    from areal.events import events_dir
+
     # One line per step in each (trainer/worker.py); the timeline's spans per role.
     per_step = [exp / "metrics.jsonl", exp / "batches.jsonl"]
     if ckpt is None:
-        if cfg.resume:
+        if resume:
             print(f"areal: no checkpoint in {exp}; starting afresh")
         shutil.rmtree(checkpoints_root(exp), ignore_errors=True)
         shutil.rmtree(events_dir(exp), ignore_errors=True)
         for path in per_step:
             path.unlink(missing_ok=True)
-    else:
-        print(f"areal: resuming from {ckpt.path}")
-        # Steps after the checkpoint will be trained again: their lines go. (The timeline
-        # keeps every span: it shows the time spent, lost work included.)
-        for path in filter(Path.exists, per_step):
-            lines = [
-                ln
-                for ln in path.read_text().splitlines()
-                if ln.strip() and json.loads(ln)["step"] <= ckpt.version
-            ]
-            path.write_text("".join(ln + "\n" for ln in lines))
-    (exp / "logs").mkdir()
-    create_key(exp)
-    if not cfg.model.path:
-        from areal.models.cache import CACHE_ENV, cache_dir, tiny_model  # made once, then cached
+        return
+    print(f"areal: resuming from {ckpt.path}")
+    # The timeline keeps every span: it shows the time spent, lost work included.
+    for path in filter(Path.exists, per_step):
+        lines = [
+            ln
+            for ln in path.read_text().splitlines()
+            if ln.strip() and json.loads(ln)["step"] <= ckpt.version
+        ]
+        path.write_text("".join(ln + "\n" for ln in lines))
 
-        m = cfg.model
-        # A task without warm-up data (code) gets the arith model: it knows digits and turns.
-        warm = cfg.dataset.type if task.warmup is not None else "arith"
-        path = tiny_model(
-            seed=cfg.seed,
-            hidden=m.tiny_hidden,
-            layers=m.tiny_layers,
-            heads=m.tiny_heads,
-            warmup_steps=m.tiny_warmup_steps,
-            task=warm,
-            options=cfg.dataset.options if warm == cfg.dataset.type else {},
-            # On a cluster every node must see it: the run's shared storage, not this node's
-            # cache, unless $AREAL_CACHE_DIR names one (the same cache under every launcher).
-            root=cache_dir()
-            if cfg.launcher.type in ("local", "inline") or os.environ.get(CACHE_ENV)
-            else Path(cfg.fileroot) / "models",
-        )
-        print(f"areal: using the tiny model {path}")
-        cfg.model.path = str(path)
-    check_model_dir(cfg.model.path)
-    check_disk(cfg, cfg.model.path)
-    save_config(cfg, exp / "config.yaml")
-    return ckpt
+
+def _tiny_model(cfg: ExperimentConfig, task: Task) -> Path:
+    """The tiny model for a config without model.path: made once, then cached."""
+    from areal.models.cache import CACHE_ENV, cache_dir, tiny_model
+
+    m = cfg.model
+    # A task without warm-up data (code) gets the arith model: it knows digits and turns.
+    warm = cfg.dataset.type if task.warmup is not None else "arith"
+    path = tiny_model(
+        seed=cfg.seed,
+        hidden=m.tiny_hidden,
+        layers=m.tiny_layers,
+        heads=m.tiny_heads,
+        warmup_steps=m.tiny_warmup_steps,
+        task=warm,
+        options=cfg.dataset.options if warm == cfg.dataset.type else {},
+        # On a cluster every node must see it: the run's shared storage, not this node's
+        # cache, unless $AREAL_CACHE_DIR names one (the same cache under every launcher).
+        root=cache_dir()
+        if cfg.launcher.type in ("local", "inline") or os.environ.get(CACHE_ENV)
+        else Path(cfg.fileroot) / "models",
+    )
+    print(f"areal: using the tiny model {path}")
+    return path
 
 
 def prepare_recovery(cfg: ExperimentConfig, n: int) -> None:

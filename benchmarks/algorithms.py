@@ -1,18 +1,20 @@
 """Every recipe against staleness, and the approximate proximal pass against the exact one.
 
     python benchmarks/algorithms.py [--config configs/tiny.yaml] [--recipes areal,grpo,...]
-        [--etas 0 4 16] [--seeds 2] [--steps 60] [--target 1.0] [--png FILE] [key=value ...]
+        [--max-staleness 0 4 16] [--seeds 2] [--steps 60] [--target 1.0] [--png FILE]
+        [key=value ...]
     python benchmarks/algorithms.py --prox [--repeats 5] [--n-minibatches 4]
 
 Recipes: each recipe (ppo.recipe, RECIPES in areal/trainer/ppo_config.py) trains the config
-at each max_staleness in --etas, one run per seed, as `python -m areal.train` in a temporary file
-root; runs are interleaved so that every recipe sees the same machine. Prints per recipe
-and eta the medians over seeds of the final reward (mean reward/mean over the last tenth
-of the steps), the wall time until the 10-step moving mean of the reward first reaches
---target ("-" if never), and the effective throughput (tiny_run.effective_throughput),
-then each recipe's final reward against the areal recipe's. --png draws the final reward
-against eta, one line per recipe. Rewards are rollout/reward_mean where a run has it (every
-finished group, also those dynamic sampling dropped), else reward/mean.
+at each value of --max-staleness (the config's max_staleness, the paper's eta), one run per
+seed, as `python -m areal.train` in a temporary file root; runs are interleaved so that
+every recipe sees the same machine. Prints per recipe and max_staleness the medians over
+seeds of the final reward (mean reward/mean over the last tenth of the steps), the wall time
+until the 10-step moving mean of the reward first reaches --target ("-" if never), and the
+effective throughput (tiny_run.effective_throughput), then each recipe's final reward
+against the areal recipe's. --png draws the final reward against max_staleness, one line per
+recipe. Rewards are rollout/reward_mean where a run has it (every finished group, also those
+dynamic sampling dropped), else reward/mean.
 
 --prox: one training step (benchmarks/trainer.py's 4M-parameter Qwen2, 64 long-tailed
 sequences) with the exact proximal pass (ppo.prox_approx=none), with upstream AReaL's
@@ -61,8 +63,13 @@ def summary(m: list[dict], target: float) -> dict:
 
 
 def plot(
-    table: dict[tuple[str, int], dict], recipes: list[str], etas: list[int], path: Path, task: str
+    table: dict[tuple[str, int], dict],
+    recipes: list[str],
+    bounds: list[int],
+    path: Path,
+    task: str,
 ) -> None:
+    """The final reward against max_staleness (each of `bounds`), one line per recipe."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,9 +77,9 @@ def plot(
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in recipes:
-        ax.plot([str(e) for e in etas], [table[r, e]["final_reward"] for e in etas], marker="o",
-                label=r)  # fmt: skip
-    ax.set_xlabel("max staleness eta")
+        ax.plot([str(b) for b in bounds], [table[r, b]["final_reward"] for b in bounds],
+                marker="o", label=r)  # fmt: skip
+    ax.set_xlabel("max_staleness")
     ax.set_ylabel("final reward (median over seeds)")
     ax.set_title(f"Which objectives survive staleness ({task})")
     ax.legend(ncol=3, fontsize=8)
@@ -84,34 +91,35 @@ def plot(
 def recipes_main(args: argparse.Namespace) -> None:
     recipes = args.recipes.split(",") if args.recipes else list(RECIPES)
     config = args.config.resolve()  # the runs start in the repository root
-    runs: dict[tuple[str, int], list[dict]] = {(r, e): [] for r in recipes for e in args.etas}
+    bounds = args.max_staleness
+    runs: dict[tuple[str, int], list[dict]] = {(r, b): [] for r in recipes for b in bounds}
     with tempfile.TemporaryDirectory() as root:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
-            for eta in args.etas:
+            for max_staleness in bounds:
                 for r in recipes:  # interleaved: every recipe sees the same machine
-                    extra = [f"ppo.recipe={r}", f"max_staleness={eta}", f"seed={seed}"]
-                    m = train_tiny(root, f"{r}-e{eta}-s{seed}", args.steps,
+                    extra = [f"ppo.recipe={r}", f"max_staleness={max_staleness}", f"seed={seed}"]
+                    m = train_tiny(root, f"{r}-e{max_staleness}-s{seed}", args.steps,
                                    extra + args.overrides, config)  # fmt: skip
-                    runs[r, eta].append(summary(m, args.target))
-                    print(f"  {r} eta={eta} seed={seed}: {runs[r, eta][-1]}", flush=True)
+                    runs[r, max_staleness].append(summary(m, args.target))
+                    print(f"  {r} max_staleness={max_staleness} seed={seed}: "
+                          f"{runs[r, max_staleness][-1]}", flush=True)  # fmt: skip
     table = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in runs.items()}
-    print(f"\n{'recipe':<14} {'eta':>4} {'final reward':>13} {'to target (s)':>14} {'tok/s':>8}")
+    print(f"\n{'recipe':<14} {'max_staleness':>13} {'final reward':>13} {'to target (s)':>14} "
+          f"{'tok/s':>8}")  # fmt: skip
     for r in recipes:
-        for eta in args.etas:
-            t = table[r, eta]
+        for max_staleness in bounds:
+            t = table[r, max_staleness]
             ttt = "-" if t["time_to_target"] == float("inf") else f"{t['time_to_target']:.1f}"
-            print(
-                f"{r:<14} {eta:>4} {t['final_reward']:>+13.2f} {ttt:>14} {t['tokens_per_s']:>8.0f}"
-            )
+            print(f"{r:<14} {max_staleness:>13} {t['final_reward']:>+13.2f} {ttt:>14} "
+                  f"{t['tokens_per_s']:>8.0f}")  # fmt: skip
     if "areal" in recipes:
-        for eta in args.etas:
-            base = table["areal", eta]["final_reward"]
-            diffs = ", ".join(
-                f"{r} {table[r, eta]['final_reward'] - base:+.2f}" for r in recipes if r != "areal"
-            )
-            print(f"final reward against areal's, eta={eta}: {diffs}")
+        for max_staleness in bounds:
+            base = table["areal", max_staleness]["final_reward"]
+            diffs = ", ".join(f"{r} {table[r, max_staleness]['final_reward'] - base:+.2f}"
+                              for r in recipes if r != "areal")  # fmt: skip
+            print(f"final reward against areal's, max_staleness={max_staleness}: {diffs}")
     if args.png:
-        plot(table, recipes, args.etas, args.png, config.stem)
+        plot(table, recipes, bounds, args.png, config.stem)
 
 
 def prox_main(args: argparse.Namespace) -> None:
@@ -172,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=TINY)
     parser.add_argument("--recipes", default="", help="comma-separated; default: all")
-    parser.add_argument("--etas", type=int, nargs="+", default=[0, 4, 16])
+    parser.add_argument("--max-staleness", type=int, nargs="+", default=[0, 4, 16])
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=60)

@@ -1,13 +1,14 @@
-"""Asynchronous (eta > 0) against synchronous (eta = 0) RL, the same config, run after run.
+"""Asynchronous (max_staleness > 0) against synchronous (= 0) RL, one config, run after run.
 
-    python benchmarks/async_vs_sync.py [--config configs/tiny.yaml] [--eta 4] [--steps 100]
-        [--repeats 1] [--target-reward 0] [--png FILE] [key=value ...]
+    python benchmarks/async_vs_sync.py [--config configs/tiny.yaml] [--max-staleness 4]
+        [--steps 100] [--repeats 1] [--target-reward 0] [--png FILE] [key=value ...]
 
 Effective training throughput is the paper's: generated tokens consumed by PPO updates per
 second of wall time, after warm-up (the first fifth of the steps is left out). Time to
 target is the wall time at which the mean reward of the last 10 steps first reaches
 --target-reward (inf when never). Prints both variants side by side and the ratios last;
-with --repeats > 1, medians. --png draws reward against wall time, every run.
+with --repeats > 1, medians. --png draws reward against wall time, every run. max_staleness
+is the config's name for the paper's eta.
 """
 
 from __future__ import annotations
@@ -70,16 +71,19 @@ def plot(runs: dict[str, list[list[dict]]], target: float, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=TINY)
-    parser.add_argument("--eta", type=int, default=4, help="max_staleness of the async run")
+    parser.add_argument(
+        "--max-staleness", type=int, default=4, help="max_staleness of the async run"
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--target-reward", type=float, default=0.0)
     parser.add_argument("--png", type=Path, help="reward against wall time, every run")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
     args = parser.parse_args()
+    asynchronous, synchronous = f"async max_staleness={args.max_staleness}", "sync max_staleness=0"
     variants = {
-        f"async eta={args.eta}": [f"max_staleness={args.eta}"],
-        "sync eta=0": ["max_staleness=0"],
+        asynchronous: [f"max_staleness={args.max_staleness}"],
+        synchronous: ["max_staleness=0"],
     }
     runs: dict[str, list[list[dict]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as root:
@@ -91,18 +95,18 @@ def main() -> None:
                 print(f"  repeat {r}: {name}: {summary(m, args.target_reward)}", flush=True)
     med = medians({v: [summary(m, args.target_reward) for m in ms] for v, ms in runs.items()})
     print(
-        f"{'variant':<12} {'train tok/s':>12} {'wall s':>8} "
+        f"{'variant':<22} {'train tok/s':>12} {'wall s':>8} "
         f"{'s to reward ' + format(args.target_reward, '+.1f'):>17} {'final reward':>13} "
         f"{'staleness':>10}"
     )
     for v, m in med.items():
         print(
-            f"{v:<12} {m['tokens_per_s']:>12.1f} {m['wall_s']:>8.1f} {m['to_target_s']:>17.1f} "
+            f"{v:<22} {m['tokens_per_s']:>12.1f} {m['wall_s']:>8.1f} {m['to_target_s']:>17.1f} "
             f"{m['final_reward']:>+13.2f} {m['staleness']:>10.2f}"
         )
     if args.png:
         plot(runs, args.target_reward, args.png)
-    a, s = med[f"async eta={args.eta}"], med["sync eta=0"]
+    a, s = med[asynchronous], med[synchronous]
     print(
         f"sync/async wall time to reward {args.target_reward:+.1f}: "
         f"{s['to_target_s'] / a['to_target_s']:.2f}x"

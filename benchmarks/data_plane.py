@@ -2,7 +2,8 @@
 
     python benchmarks/data_plane.py [--steps 10] [--batch 8] [--group 8] [--servers 2]
         [--ranks 2] [--mean-tokens 8000] [--tokens-per-s 100000] [--modes relay,pull]
-        [--feed pipeline|replay] [--pin CPU] [--no-pull] [--eta 4] [--out results.json]
+        [--feed pipeline|replay] [--pin CPU] [--no-pull] [--max-staleness 4]
+        [--out results.json]
 
 Per mode, real processes on loopback: --servers fake inference servers speaking SGLang's
 HTTP API (benchmarks/fake_sglang.py: long-tailed lengths, random tokens, no model), one
@@ -31,9 +32,10 @@ really travel. The trainer ranks consume as above, so the gate admits on trained
 --no-pull: they take the references and fetch nothing (the controller's own limit, when the
 ranks' pulls cannot keep up on this machine). --pin C puts the controller alone on CPU C
 and every other process on the other CPUs. Checked per run and printed: the staleness of
-every trained sample (oldest token, and the gate's start version) <= --eta, every
-trajectory and draw trained once, and (replay) the bytes the ranks pulled == the bytes the
-feeders served; trajectories/s is also given for the slowest tenth of the steps.
+every trained sample (oldest token, and the gate's start version) <= --max-staleness (the
+config's max_staleness), every trajectory and draw trained once, and (replay) the bytes the
+ranks pulled == the bytes the feeders served; trajectories/s is also given for the slowest
+tenth of the steps. The JSON's max_staleness is the bound, staleness_max the largest seen.
 """
 
 from __future__ import annotations
@@ -155,8 +157,9 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
         f"fileroot={root}", f"trial_name={label}", f"rollout.data_plane={mode}",
         f"rollout.n_servers={args.servers}", f"rollout.group_size={args.group}",
         f"trainer.batch_size={args.batch}", f"rollout.max_new_tokens={args.max_tokens}",
-        f"max_staleness={args.eta}", "rollout.max_concurrent=0", "ppo.dynamic_sampling=false",
-        f"trainer.parallel.dp={args.ranks}", "model.tiny_warmup_steps=0", "stats.events=false",
+        f"max_staleness={args.max_staleness}", "rollout.max_concurrent=0",
+        "ppo.dynamic_sampling=false", f"trainer.parallel.dp={args.ranks}",
+        "model.tiny_warmup_steps=0", "stats.events=false",
     ]  # fmt: skip
     cfg = load_config(str(ROOT / "configs/tiny.yaml"), overrides)
     shutil.rmtree(cfg.exp_dir, ignore_errors=True)
@@ -305,13 +308,13 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
     return {
         "mode": label,
         "steps": len(lines),
-        "eta": args.eta,
+        "max_staleness": args.max_staleness,
         "pin": args.pin,
         "pull": not args.no_pull,
         "traj_per_s_slowest_tenth": min(rates),
         "traj_per_s_tenths": rates,
-        "max_staleness": max(x["stale"] for x in lines),
-        "steps_at_the_bound": sum(x["stale"] == args.eta for x in lines),
+        "staleness_max": max(x["stale"] for x in lines),
+        "steps_at_the_bound": sum(x["stale"] == args.max_staleness for x in lines),
         "trained_trajectories": len(traj_ids),
         "trained_once": len(set(traj_ids)) == len(traj_ids) and len(set(draw_ids)) == len(draw_ids),
         "pulled_bytes": pulled,
@@ -345,7 +348,7 @@ def report(results: list[dict]) -> None:
         ("controller limit, traj/s on one core", "controller_limit_traj_per_s", "{:.0f}"),
         ("controller CPU busy (share of one core)", "controller_busy", "{:.2f}"),
         ("pulled bytes/s (all ranks)", "pulled_bytes_per_s", "{:.3g}"),
-        ("max staleness over the steps", "max_staleness", "{:.0f}"),
+        ("largest staleness over the steps", "staleness_max", "{:.0f}"),
         ("steps whose batch is at the bound", "steps_at_the_bound", "{:.0f}"),
     ]
     head = f"{'':42}" + "".join(f"{m:>14}" for m in modes)
@@ -357,21 +360,21 @@ def report(results: list[dict]) -> None:
             line += f"{vals[1] / vals[0]:>10.3g}"
         print(line)
     for r in results:
-        eta, pin = r["eta"], r["pin"]
+        bound, pin = r["max_staleness"], r["pin"]
         where = (
             "every process on every CPU"
             if pin is None
             else (f"controller0 pinned to CPU {pin}, every other process to the other CPUs")
         )
         print(
-            f"{r['mode']}: {r['steps']} steps, max_staleness={eta}; {where}; trainer ranks "
+            f"{r['mode']}: {r['steps']} steps, max_staleness={bound}; {where}; trainer ranks "
             + ("pull their shards" if r["pull"] else "take the references and pull nothing")
         )
-        ok = r["max_staleness"] <= eta and r["trained_once"]
+        ok = r["staleness_max"] <= bound and r["trained_once"]
         print(
-            f"{r['mode']}: bound {'holds' if ok else 'BROKEN'}: max staleness "
-            f"{r['max_staleness']} <= {eta}; {r['trained_trajectories']} trajectories "
-            f"trained, {'each once' if r['trained_once'] else 'SOME TWICE'}"
+            f"{r['mode']}: bound {'holds' if ok else 'BROKEN'}: largest staleness "
+            f"{r['staleness_max']} <= max_staleness {bound}; {r['trained_trajectories']} "
+            f"trajectories trained, {'each once' if r['trained_once'] else 'SOME TWICE'}"
         )
         if r["served"]:
             same = "==" if r["served_bytes"] == r["pulled_bytes"] else "!="
@@ -428,7 +431,7 @@ def main() -> None:
         help="pipeline: fake servers, rollout workers, grading; replay: feeders "
         "(benchmarks/replay_feeder.py) answer the controller at once, from pre-built tokens",
     )
-    p.add_argument("--eta", type=int, default=4, help="max_staleness")
+    p.add_argument("--max-staleness", type=int, default=4, help="the config's max_staleness")
     p.add_argument("--pin", type=int, default=None, help="CPU for the controller alone")
     p.add_argument("--no-pull", action="store_true", help="trainer ranks fetch nothing")
     p.add_argument("--out", default=None, help="write the results (JSON) here too")

@@ -214,7 +214,7 @@ def paper(steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,tiny_longtail")
-    ap.add_argument("--max-staleness", "--etas", default="0,1,4,16", metavar="LIST")
+    ap.add_argument("--max-staleness", default="0,1,4,16", metavar="LIST")
     ap.add_argument("--servers", default="1,2")
     # tiny's steps take ~0.1 s: 200 of them measure ~20 s, not a few seconds of noise.
     ap.add_argument("--steps", default="tiny=200,tiny_longtail=40", help="N, or CONFIG=N,...")

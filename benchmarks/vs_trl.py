@@ -3,8 +3,8 @@ and both against the machine's limit.
 
     pip install -c constraints.txt trl     # the repository's constraints.txt keeps the CPU torch
     python benchmarks/vs_trl.py [--task arith|math|long] [--geometries 145k:32:8:8,4m:128:8:8,...]
-        [--steps 60] [--repeats 1] [--etas 0,4] [--fixed-split] [--limit-steps 3] [--skip-trl]
-        [--dtype float32]
+        [--steps 60] [--repeats 1] [--max-staleness 0,4] [--fixed-split] [--limit-steps 3]
+        [--skip-trl] [--dtype float32]
 
 A geometry is shape:new:prompts:group: the model shape of benchmarks/engine.py (145k:
 hidden 64, 2 layers; 4m: hidden 256, intermediate 1024, 4 layers), the new tokens per
@@ -30,14 +30,14 @@ bfloat16, the trainer under autocast with float32 weights), TRL bf16=True (autoc
 the limit with the engine and trainer in the same dtype.
 
 Effective training throughput, counted the same way for all: completion tokens that enter
-the update per second of wall time, over the steps after warm-up (the first fifth left
-out; tiny_run.effective_throughput). TRL: its own per-step log (completions/mean_length
-x prompts x group) and wall clock at each step's end; areal: metrics.jsonl
-(train/n_tokens, time), at each eta of --etas (and with --fixed-split, each again with
-launcher.lend_idle_cores=false: no core lent). Each variant is its own process on the same
-cores (TRL with torch's default threads; areal's roles split the cores,
-inference.num_threads / trainer.num_threads = 0, and lend them to each other while they
-wait, launcher.lend_idle_cores).
+the update per second of wall time, over the steps after warm-up (the first fifth left out;
+tiny_run.effective_throughput). TRL: its own per-step log (completions/mean_length x prompts
+x group) and wall clock at each step's end; areal: metrics.jsonl (train/n_tokens, time), at
+each value of --max-staleness (areal's max_staleness, the paper's eta; and with
+--fixed-split, each again with launcher.lend_idle_cores=false: no core lent). Each variant
+is its own process on the same cores (TRL with torch's default threads; areal's roles split
+the cores, inference.num_threads / trainer.num_threads = 0, and lend them to each other
+while they wait, launcher.lend_idle_cores).
 
 The machine's limit, for each run at the answer lengths it trained on (RL changes them: on
 the math task at lr 1e-3 answers grow from ~25 tokens to the 128 allowed within ten steps):
@@ -57,9 +57,9 @@ CPU time; medians over those steps. Limit tok/s = completion tokens per step / (
 train core-seconds) / C).
 
 Prints a line per repeat (the variants interleaved, so all see the same machine), then the
-table: TRL and areal at each eta in tok/s, the fraction of its own limit each reaches, and
-the ratios areal/TRL; with --repeats > 1, medians. --skip-trl measures areal
-and the limit without TRL installed.
+table: TRL and areal at each max_staleness (columns ms=N) in tok/s, the fraction of its own
+limit each reaches, and the ratios areal/TRL; with --repeats > 1, medians. --skip-trl
+measures areal and the limit without TRL installed.
 
 TRL is a benchmark dependency only: nothing in areal imports it.
 """
@@ -145,13 +145,16 @@ def math_records(path: Path, n: int) -> Path:
     return path
 
 
-def areal_overrides(model: Path | str, geo: Geometry, eta: int, dtype: str, data: str) -> list[str]:
+def areal_overrides(
+    model: Path | str, geo: Geometry, max_staleness: int, dtype: str, data: str
+) -> list[str]:
     """`data`: the math records' file ("": the arith task)."""
     task = [f"dataset.options.max_operand={MAX_OPERAND}"]
     if data:
         task = ["dataset.type=math", f"dataset.path={data}"]
     return [
-        f"model.path={model}", f"model.dtype={dtype}", f"max_staleness={eta}",
+        f"model.path={model}", f"model.dtype={dtype}",
+        f"max_staleness={max_staleness}",
         f"rollout.max_new_tokens={geo.new}", f"rollout.group_size={geo.group}",
         f"trainer.batch_size={geo.prompts}", *task, "ppo.n_minibatches=1",
         f"trainer.lr={learning_rate(data)}",
@@ -172,7 +175,7 @@ def measured_steps(lengths: list, n: int) -> list:
 def run_areal(
     model: Path,
     geo: Geometry,
-    eta: int,
+    max_staleness: int,
     steps: int,
     root: str,
     name: str,
@@ -181,7 +184,7 @@ def run_areal(
     data: str,
 ) -> tuple[float, list[list[int]]]:
     """Effective throughput and every step's answer lengths."""
-    overrides = areal_overrides(model, geo, eta, dtype, data) + extra
+    overrides = areal_overrides(model, geo, max_staleness, dtype, data) + extra
     tok_s = effective_throughput(train_tiny(root, name, steps, overrides))
     run = Path(root) / yaml.safe_load(TINY.read_text())["experiment_name"] / name
     batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
@@ -361,24 +364,29 @@ def main() -> None:
     parser.add_argument(
         "--geometries", default=GEOMETRIES, help="shape:new:prompts:group, comma-separated"
     )
-    # An eta>0 run starts with every batch in flight at once (each update then interrupts a
-    # full batch) and settles after about 10 steps into the server keeping ahead: 60 steps
-    # measure the steady state, not the start.
+    # A max_staleness>0 run starts with every batch in flight at once (each update then
+    # interrupts a full batch) and settles after about 10 steps into the server keeping ahead:
+    # 60 steps measure the steady state, not the start.
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--etas", default="0,4", help="areal's max_staleness, comma-separated")
+    parser.add_argument(
+        "--max-staleness", default="0,4", help="areal's max_staleness, comma-separated"
+    )
     parser.add_argument("--limit-steps", type=int, default=3, help="after one warm-up step")
     parser.add_argument("--skip-trl", action="store_true", help="areal and the limit only")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
-        "--fixed-split", action="store_true", help="each eta also with lend_idle_cores=false"
+        "--fixed-split",
+        action="store_true",
+        help="each max_staleness also with lend_idle_cores=false",
     )
     args = parser.parse_args()
     geometries = [Geometry.parse(g) for g in args.geometries.split(",")]
-    # (column, eta, extra overrides) of each areal run
-    variants = [(f"eta={e}", int(e), []) for e in args.etas.split(",")]
+    # (column, max_staleness, extra overrides) of each areal run; the columns say ms=N, as
+    # "max_staleness=N" would not fit them (print_table's legend spells it out)
+    variants = [(f"ms={b}", int(b), []) for b in args.max_staleness.split(",")]
     if args.fixed_split:
-        variants += [(f"{name} fixed", eta, FIXED_SPLIT) for name, eta, _ in variants]
+        variants += [(f"{name} fixed", ms, FIXED_SPLIT) for name, ms, _ in variants]
     cores = node_cores()
     rows = []
     with tempfile.TemporaryDirectory() as root:
@@ -396,10 +404,9 @@ def main() -> None:
                 runs = {}
                 if not args.skip_trl:
                     runs["trl"] = run_trl(model, geo, args.steps, args.dtype, data, f"{root}/{tag}")
-                for name, eta, extra in variants:
-                    runs[name] = run_areal(
-                        model, geo, eta, args.steps, root, f"{tag}-{name}", extra, args.dtype, data
-                    )
+                for name, max_staleness, extra in variants:
+                    runs[name] = run_areal(model, geo, max_staleness, args.steps, root,
+                                           f"{tag}-{name}", extra, args.dtype, data)  # fmt: skip
                 line = []
                 for side, (tok_s, lengths) in runs.items():
                     steps = measured_steps(lengths, args.limit_steps)
@@ -427,6 +434,7 @@ def print_table(rows: list, names: list[str]) -> None:
     if trl:
         cols += [(f"{n}/TRL", "{:.2f}x", lambda m, n=n: m[n] / m["trl"]) for n in names]
     print("limit = completion tokens / ((generation + training core-s) / cores), per run")
+    print("ms=N: areal at max_staleness N (the paper's eta)")
     print(f"{'geometry':<14}" + "".join(f" {name:>12}" for name, _, _ in cols))
     for geo, m in rows:
         print(f"{str(geo):<14}" + "".join(f" {spec.format(get(m)):>12}" for _, spec, get in cols))

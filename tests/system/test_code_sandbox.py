@@ -226,5 +226,5 @@ def test_a_daemonised_child_dies_with_the_sandbox(open_dir):
     rewards, _, _ = grade([program(source)])
     assert rewards == [-5.0]
     assert no_sandbox_processes_within(2)
-    time.sleep(1.5)
+    time.sleep(1.5)  # the child's own 1.5 s: a child still alive would have written by now
     assert not marker.exists()

@@ -216,11 +216,11 @@ def test_the_harness_replay_feed_trains_each_trajectory_once_within_the_bound(tm
     (the feed outruns the trainer); every byte the ranks pulled, the feeders served."""
     root = Path(__file__).parents[2]
     out = tmp_path / "results.json"
-    steps, batch, group, eta = 6, 4, 4, 1
+    steps, batch, group, max_staleness = 6, 4, 4, 1
     cmd = [
         sys.executable, str(root / "benchmarks/data_plane.py"), "--feed", "replay",
         "--steps", str(steps), "--batch", str(batch), "--group", str(group),
-        "--eta", str(eta), "--mean-tokens", "256", "--max-tokens", "1024",
+        "--max-staleness", str(max_staleness), "--mean-tokens", "256", "--max-tokens", "1024",
         "--root", str(tmp_path / "runs"), "--timeout", "50", "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -230,7 +230,8 @@ def test_the_harness_replay_feed_trains_each_trajectory_once_within_the_bound(tm
     assert r["mode"] == "replay" and r["steps"] == steps
     assert r["trained_trajectories"] == steps * batch * group
     assert r["trained_once"]
-    assert r["max_staleness"] <= eta and r["steps_at_the_bound"] > 0
+    assert r["max_staleness"] == max_staleness
+    assert r["staleness_max"] <= max_staleness and r["steps_at_the_bound"] > 0
     fed = r["served"]
     assert sum(f["fetched"] for f in fed) == r["trained_trajectories"]  # each fetched once
     assert sum(f["made"] for f in fed) >= r["trained_trajectories"]

@@ -2,8 +2,8 @@
 sat idle is not a dead server, a failure on a fresh connection is.
 
 The server runs on a thread of its own, so the test can block the client's event loop
-(time.sleep) past the server's keep-alive: the client then has not yet read the server's
-FIN when it sends, which is how a busy rollout worker meets a closed connection.
+until the server's FIN has arrived (past its keep-alive): the client then has not yet read
+it when it sends, which is how a busy rollout worker meets a closed connection.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -78,6 +79,17 @@ class LoopbackServer:
         return f"http://127.0.0.1:{self.port}"
 
 
+def closed_by_peer(local_port: int, remote_port: int) -> bool:
+    """The kernel holds this end of a loopback connection in CLOSE_WAIT: the peer's FIN has
+    arrived and this process has not read it (Linux's /proc/net/tcp)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        ports = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+        if ports == (local_port, remote_port):
+            return state == "08"  # TCP_CLOSE_WAIT
+    return False
+
+
 @pytest.fixture
 def servers():
     made: list[LoopbackServer] = []
@@ -102,7 +114,11 @@ def test_a_request_on_a_connection_the_server_closed_is_sent_again(servers, capl
 
     async def main() -> list:
         first = await client._call("POST", "/generate", {})
-        time.sleep(0.6)  # a busy loop: the server closes the idle connection meanwhile
+        # A busy loop (no await) until the server has closed the idle connection.
+        deadline = time.monotonic() + 10
+        while not closed_by_peer(server.peers[0], server.port):
+            assert time.monotonic() < deadline, "the server kept the idle connection"
+            time.sleep(0.01)
         second = await client._call("POST", "/generate", {})
         await client.close()
         return [first, second]
@@ -152,6 +168,7 @@ def test_idle_connections_are_reused_within_the_keepalive_only(servers, monkeypa
     client = HttpClient(server.url)
 
     async def main() -> None:
+        # Idle gaps are what is under test: within, past, within the client's 0.3 s.
         for gap in (0, 0.05, 0.6, 0.05):
             time.sleep(gap)
             await client._call("POST", "/generate", {})

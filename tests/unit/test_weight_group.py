@@ -136,6 +136,8 @@ def test_a_receiver_killed_mid_update_fails_the_sender_instead_of_hanging():
 
 
 def _kill_after(pid: int, seconds: float) -> None:
+    # The kill must land while the sender is inside its broadcast (256 MB to a stopped
+    # receiver: blocked until it fails); nothing outside the sender shows that moment.
     time.sleep(seconds)
     os.kill(pid, signal.SIGKILL)
 
