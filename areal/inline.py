@@ -1,11 +1,12 @@
 """A whole run in one Python process, built from objects: `areal.build(model, tokenizer,
 task, config)` returns a Run whose `step()` trains one version while the engines go on
-generating; `python -m areal.train --config configs/tiny.yaml launcher.type=inline` is the
-same build from the config (run_inline).
+generating (written out in your loop: `batch = run.next_batch()`, `stats =
+run.ppo_update(batch)`, `run.publish(batch, stats)`); `python -m areal.train --config
+configs/tiny.yaml launcher.type=inline` is the same build from the config (run_inline).
 
 ```
- main thread            your loop: run.step() = Trainer.step (trainer/worker.py):
-   |                      get_batch -> train_step (ppo.py's loss) -> publish weights/vN
+ main thread            your loop: run.next_batch() -> run.ppo_update(batch) (ppo.py's
+   |                      loss) -> run.publish(...) weights/vN (= run.step(), Trainer.step)
    |  BlockingRpc: the call runs on the roles' loop; the trainer waits for its answer
  thread "inline-roles"  one asyncio loop: Controller (gate, buffer, episodes),
    |                      RolloutWorker k --EngineClient--> DecodeEngine k, RewardService
@@ -14,7 +15,7 @@ same build from the config (run_inline).
 
 | waits for                        | unblocked by                                          |
 |----------------------------------|-------------------------------------------------------|
-| run.step(): its batch            | the controller's buffer holding one allowed at version|
+| run.next_batch(): its batch      | the controller's buffer holding one allowed at version|
 |                                  | i (max_staleness), or the roles' failure (NoProgress) |
 | run.close(): the roles' stop     | their tasks cancelled (60 s deadline), engines joined |
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import importlib
 import logging
 import shutil
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from areal.checkpoint import Checkpoint
     from areal.rollout.engine import DecodeEngine
     from areal.tasks import Task
+    from areal.trainer.step import StepBatch
     from areal.trainer.worker import Trainer
     from areal.workflow import Workflow
 
@@ -209,7 +212,9 @@ def build(
 
 class Run:
     """A built run: `step()` trains one version (rollout goes on generating in the
-    background within max_staleness); `close()`, or leaving `with`, stops every role."""
+    background within max_staleness), as its three phases `next_batch()`,
+    `ppo_update(batch)`, `publish(batch, stats)`; `close()`, or leaving `with`, stops every
+    role."""
 
     def __init__(self, cfg: ExperimentConfig) -> None:
         self.cfg = cfg
@@ -238,13 +243,37 @@ class Run:
         return self.trainer.backend.model
 
     def step(self) -> dict[str, float]:
-        """One asynchronous RL step: the oldest batch the staleness bound allows, one PPO
-        update (trainer/step.py), the new weights published to the engines. Returns the
-        step's metrics line (reward/mean, loss/..., staleness/max, ...). Raises the roles'
-        failure (controller.failures.NoProgress when episodes only fail)."""
+        """One asynchronous RL step: next_batch, ppo_update, publish. Returns the step's
+        metrics line (reward/mean, loss/..., staleness/max, ...)."""
+        return self._trainer().step()
+
+    def next_batch(self) -> StepBatch:
+        """The oldest batch the staleness bound allows at this version, prepared for
+        ppo_update (trainer/step.py's prepare: proximal log-probs, advantages, masks).
+        Raises the roles' failure (controller.failures.NoProgress when episodes only
+        fail)."""
+        return self._trainer().next_batch()
+
+    @property
+    def ppo_update(self) -> Callable[[StepBatch], dict[str, float]]:
+        """`run.ppo_update(batch)`: the minibatch updates of the policy (and critic) on
+        the batch; returns its statistics. It is trainer/step.py's ppo_update itself, its
+        backend and critic bound: ppo.policy_loss runs 3 calls below your loop
+        (ppo_update -> backend.forward_backward -> ppo_batch.PolicyLoss -> policy_loss)."""
+        from areal.trainer.step import ppo_update
+
+        trainer = self._trainer()
+        return functools.partial(ppo_update, trainer.backend, critic=trainer.critic)
+
+    def publish(self, batch: StepBatch, stats: dict[str, float]) -> dict[str, float]:
+        """After ppo_update(batch): the new version's weights to the engines, the step's
+        metrics line (returned) and a checkpoint when one is due."""
+        return self._trainer().publish(batch, stats)
+
+    def _trainer(self) -> Trainer:
         if self.trainer is None:
             raise RuntimeError("the run is closed: build another")
-        return self.trainer.step()
+        return self.trainer
 
     def close(self) -> None:
         """Stop the trainer's files, the roles (within STOP_TIMEOUT_S) and the engines."""

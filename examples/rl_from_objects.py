@@ -4,9 +4,11 @@
 
 Edit `reward` (any function of the response and the row's answer) or the loop. The model is
 the tiny one, made in memory (no download); pass your own causal LM and tokenizer instead.
-`run.step()` trains one version while the engine goes on generating the next batches, at
-most max_staleness versions behind. Call chain to the loss (a breakpoint there stops the
-trainer; generation goes on in its threads): docs/concepts/architecture.md.
+Each step trains one version while the engine goes on generating the next batches, at most
+max_staleness versions behind (`run.step()` does the loop body's three calls at once). The
+loss is 4 calls below the loop: run.ppo_update -> forward_backward -> PolicyLoss ->
+ppo.policy_loss (a breakpoint there stops the trainer; generation goes on in its threads;
+docs/concepts/architecture.md).
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def main(steps: int = 12, fileroot: str | None = None) -> list[float]:
     rewards = []
     with areal.build(model, tokenizer, task, config) as run:
         for step in range(steps):  # your loop: stop, evaluate, change data between steps
-            stats = run.step()
-            rewards.append(stats["reward/mean"])
-            print(f"step {step + 1}: reward {rewards[-1]:+.2f}, staleness {stats['staleness/max']}")
+            batch = run.next_batch()  # the oldest allowed, with proximal log-probs, advantages
+            stats = run.ppo_update(batch)  # the minibatch updates: the loss is in here
+            line = run.publish(batch, stats)  # v(step+1) to the engine; metrics.jsonl
+            rewards.append(line["reward/mean"])
+            print(f"step {step + 1}: reward {rewards[-1]:+.2f}, staleness {line['staleness/max']}")
     return rewards
 
 

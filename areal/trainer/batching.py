@@ -42,42 +42,57 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 """loss_fn(k, log-prob stream of micro-batch k[, its per-token entropy]) -> (loss, stats)."""
 
 
-def forward_loop(
-    logprobs: Callable[[Sequence[Sequence[int]], Sequence[int] | None], torch.Tensor],
-    micro_batches: Sequence[Sequence[Sequence[int]]],
-    starts: Sequence[Sequence[int]] | None = None,
-) -> list[torch.Tensor]:
-    """The plain forward-only loop behind `backend.forward` (no pipeline stages): each
-    micro-batch's log-prob stream, without gradients (float32, CPU).
+class MicroBatchLoops:
+    """`forward` and `forward_backward` as plain loops over micro-batches (no pipeline
+    stages), over a subclass's packed forward `stream`: the torch backend's log-probs, the
+    critic's values, the megatron backend's log-probs with one stage. `forward_backward` is
+    the loop itself, so the loss is one call below it (where a breakpoint goes).
 
     starts[k][i]: the first stream entry of micro-batch k's sequence i that the caller reads
     (the entries before it are 0).
     """
-    with torch.no_grad():
-        return [
-            logprobs(seqs, None if starts is None else starts[k]).float().cpu()
-            for k, seqs in enumerate(micro_batches)
-        ]
 
+    def stream(
+        self,
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+        with_entropy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The stream of `seqs` packed into one forward, with gradients (L-1 entries per
+        sequence of length L); with_entropy, also the per-token entropy stream."""
+        raise NotImplementedError
 
-def forward_backward_loop(
-    logprobs: Callable[[Sequence[Sequence[int]], Sequence[int] | None], torch.Tensor],
-    micro_batches: Sequence[Sequence[Sequence[int]]],
-    loss_fn: LossFn,
-    starts: Sequence[Sequence[int]] | None = None,
-    with_entropy: bool = False,
-) -> list[dict[str, float]]:
-    """The plain micro-batch loop behind `backend.forward_backward` (no pipeline stages):
-    log-probs -> loss_fn(k, log-probs of micro-batch k) -> (loss, stats) -> loss.backward(),
-    gradients accumulating; returns each micro-batch's stats. `starts` as in forward_loop.
-    with_entropy: `logprobs` takes with_entropy=True and returns (log-probs, entropy), and
-    loss_fn gets both.
-    """
-    results = []
-    for k, seqs in enumerate(micro_batches):
-        st = None if starts is None else starts[k]
-        out = logprobs(seqs, st, with_entropy=True) if with_entropy else (logprobs(seqs, st),)
-        loss, stats = loss_fn(k, *out)
-        loss.backward()
-        results.append(stats)
-    return results
+    def forward(
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        starts: Sequence[Sequence[int]] | None = None,
+    ) -> list[torch.Tensor]:
+        """Each micro-batch's stream, without gradients (float32, CPU)."""
+        with torch.no_grad():
+            return [
+                self.stream(seqs, None if starts is None else starts[k]).float().cpu()
+                for k, seqs in enumerate(micro_batches)
+            ]
+
+    def forward_backward(
+        self,
+        micro_batches: Sequence[Sequence[Sequence[int]]],
+        loss_fn: LossFn,
+        starts: Sequence[Sequence[int]] | None = None,
+        with_entropy: bool = False,
+    ) -> list[dict[str, float]]:
+        """stream -> loss_fn(k, stream of micro-batch k) -> (loss, stats) -> loss.backward(),
+        gradients accumulating; returns each micro-batch's stats. with_entropy: loss_fn
+        gets the per-token entropy too (loss_fn(k, log-probs, entropy))."""
+        results = []
+        for k, seqs in enumerate(micro_batches):
+            st = None if starts is None else starts[k]
+            out = (
+                self.stream(seqs, st, with_entropy=True)
+                if with_entropy
+                else (self.stream(seqs, st),)
+            )
+            loss, stats = loss_fn(k, *out)
+            loss.backward()
+            results.append(stats)
+        return results

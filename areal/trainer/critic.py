@@ -26,13 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from areal.checkpoint import load_rank_state, save_rank_state
 from areal.trainer.backend import DTYPES
-from areal.trainer.batching import (
-    LossFn,
-    forward_backward_loop,
-    forward_loop,
-    pack_sequences,
-    scored_rows,
-)
+from areal.trainer.batching import MicroBatchLoops, pack_sequences, scored_rows
 from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
 from areal.trainer.parallel import DataParallel
@@ -54,9 +48,10 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
 
-class TorchCritic:
+class TorchCritic(MicroBatchLoops):
     """A value model trained by Adam on packed micro-batches (forward / forward_backward /
-    reduce_grads / optimizer_step, as a TrainerBackend's, with values in place of log-probs)."""
+    reduce_grads / optimizer_step, as a TrainerBackend's, with values in place of log-probs:
+    MicroBatchLoops' over `values`)."""
 
     def __init__(
         self,
@@ -106,23 +101,11 @@ class TorchCritic:
         kept = in_stream.nonzero()[:, 0].to(self.device)
         return every.index_put((rows,), v)[kept]
 
-    def forward(
-        self,
-        micro_batches: Sequence[Sequence[Sequence[int]]],
-        starts: Sequence[Sequence[int]] | None = None,
-    ) -> list[torch.Tensor]:
-        """Each micro-batch's value stream (float32, CPU, no gradients)."""
-        return forward_loop(self.values, micro_batches, starts)
-
-    def forward_backward(
-        self,
-        micro_batches: Sequence[Sequence[Sequence[int]]],
-        loss_fn: LossFn,
-        starts: Sequence[Sequence[int]] | None = None,
-    ) -> list[dict[str, float]]:
-        """loss_fn(k, value stream of micro-batch k) -> (loss, stats); backward, gradients
-        accumulating; each micro-batch's stats."""
-        return forward_backward_loop(self.values, micro_batches, loss_fn, starts)
+    def stream(
+        self, seqs: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """MicroBatchLoops' packed forward: the value stream (self.values; no entropy)."""
+        return self.values(seqs, starts)
 
     def reduce_grads(self, dp: DataParallel) -> None:
         dp.all_reduce_grads(self.params)

@@ -1,7 +1,11 @@
-"""One training step: proximal log-probs -> advantages -> minibatch updates.
+"""One training step as two public phases: `prepare` makes the batch ready (a StepBatch),
+`ppo_update` trains on it; `train_step` is the two. The trainer's step
+(trainer/worker.py's Trainer.step) and your loop over areal.build's Run (`run.next_batch()`,
+`run.ppo_update(batch)`, `run.publish(...)`) call the same two.
 
 batch of B*G trajectories
-  0) _prepare: the minibatches and this rank's share of each (batch_split), the tokens and
+  prepare(backend, trajs, ...) -> StepBatch:
+  0) _shard: the minibatches and this rank's share of each (batch_split), the tokens and
      rollout tensors of this rank's sequences (ppo_batch.TokenTensors)
   1) _proximal_pass: one no-grad forward with the weights at the start of the step
      (without a mask that needs them first, the first minibatch's own forward gives its
@@ -12,21 +16,23 @@ batch of B*G trajectories
      from V_old, with the returns the critic learns)
   3) ppo_batch.valid_tokens: generated, kept by the behaviour weight's mask
      (ppo.behav_imp_weight_*) and by M2PO's mask over the batch
-  4) _updates: for each of ppo.n_minibatches minibatches, in order (_policy_update):
+  ppo_update(backend, batch, critic) -> the step's statistics:
+  4) for each of ppo.n_minibatches minibatches, in order:
        this rank's token-balanced share (all of it without data parallelism)
        -> dynamic micro-batches, as many on every rank
-       -> ppo_batch.PolicyLoss: ppo.policy_loss / loss_agg's count of the whole minibatch
-          on all ranks
+       -> backend.forward_backward(micro-batches, ppo_batch.PolicyLoss(...)): the loop
+          calls the loss_fn, ppo.policy_loss / loss_agg's count of the whole minibatch on
+          all ranks, per micro-batch
        -> backward -> gradients summed over ranks -> clip -> one optimizer step
        -> with a critic (_critic_update): the same micro-batches through it, the clipped
           value loss, its own backward and optimizer step (one forward and backward more
           per minibatch)
-  5) _loss_statistics and the rest: the statistics of the whole batch, on every rank
+  5) _statistics: the statistics of the whole batch, on every rank
 
 The backend (backend.TrainerBackend) runs the micro-batches: `forward` for the proximal
-log-probs, `forward_backward(micro_batches, loss_fn)` for the updates; a plain loop, or a
-pipeline schedule whose last stage calls loss_fn. Either way every rank gets the results
-(log-prob streams, or each micro-batch's loss statistics).
+log-probs, `forward_backward(micro_batches, loss_fn)` for the updates; a plain loop
+(batching.MicroBatchLoops), or a pipeline schedule whose last stage calls loss_fn. Either
+way every rank gets the results (log-prob streams, or each micro-batch's loss statistics).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -145,9 +151,11 @@ def batch_split(
 
 
 @dataclass
-class _Step:
-    """One train_step as its phases see it: its settings, and the batch as this rank holds
-    it (the tokens of its own sequences only: with the pull data plane it has no others)."""
+class StepBatch:
+    """One step's batch as this rank holds it, what `prepare` gives `ppo_update`: the step's
+    settings, this rank's shard (the tokens of its own sequences only: with the pull data
+    plane it has no others) with their per-token tensors filled in (TokenTensors: the
+    passes, the advantages, the masks), and what prepare measured."""
 
     trajs: Sequence[Trajectory | TrajectoryRef]  # the whole batch, the same on every rank
     ppo: PPOConfig
@@ -155,39 +163,44 @@ class _Step:
     version: int | None  # the trainer's, before this step (None: no fresh-token check)
     max_tokens_per_mb: int
     min_n_mbs: int
+    value_clip: float | None  # critic.value_clip (ppo.adv_estimator=gae)
     seqlens: list[int]  # per sequence of the batch: its prompt and output tokens
     starts: list[int]  # per sequence: the stream entry that predicts its first output token
     minibatches: list[list[int]]  # over a fixed shuffle of the batch
     shares: list[list[int]]  # this rank's token-balanced share of each minibatch
     seqs: dict[int, list[int]]  # this rank's sequences (index in the batch: token ids), sorted
     tokens: dict[int, TokenTensors]  # their per-token tensors, in the same order
+    prox_seqs: list[int] = field(default_factory=list)  # those the proximal pass ran over
+    masked: tuple[int, int, int] = (0, 0, 0)  # ppo_batch.valid_tokens' counts
+    stats: dict[str, float] = field(default_factory=dict)  # rewards, pass times, the critic's
 
     @property
     def mine(self) -> list[int]:
         return list(self.seqs)
 
 
-def _prepare(
+def _shard(
     trajs: Sequence[Trajectory | TrajectoryRef],
     ppo: PPOConfig,
     dp: DataParallel,
     seed: int,
     version: int | None,
-    max_tokens_per_mb: int,
-    min_n_mbs: int,
-) -> _Step:
+    mb_spec: tuple[int, int],
+    value_clip: float | None,
+) -> StepBatch:
     """0) The data-parallel shard: minibatches over a fixed shuffle of the batch, each
     rank a token-balanced share of each, and the tokens and rollout tensors of this rank's
-    sequences."""
+    sequences. mb_spec: (max_tokens_per_mb, min_n_mbs)."""
     seqlens = [t.n_prompt + t.n_output for t in trajs]
     minibatches, shares, mine = batch_split(seqlens, ppo.n_minibatches, seed, dp)
-    return _Step(
+    return StepBatch(
         trajs=trajs,
         ppo=ppo,
         dp=dp,
         version=version,
-        max_tokens_per_mb=max_tokens_per_mb,
-        min_n_mbs=min_n_mbs,
+        max_tokens_per_mb=mb_spec[0],
+        min_n_mbs=mb_spec[1],
+        value_clip=value_clip,
         seqlens=seqlens,
         # The loss reads each stream from its first generated token's prediction on.
         starts=[t.n_prompt - 1 for t in trajs],
@@ -198,10 +211,13 @@ def _prepare(
     )
 
 
-def _logprobs(backend: TrainerBackend, step: _Step, idx: list[int]) -> list[torch.Tensor]:
+def _logprobs(backend: TrainerBackend, batch: StepBatch, idx: list[int]) -> list[torch.Tensor]:
     """proximal_logprobs of this rank's sequences `idx` under the backend's weights."""
     return proximal_logprobs(
-        backend, [step.seqs[i] for i in idx], step.max_tokens_per_mb, [step.starts[i] for i in idx]
+        backend,
+        [batch.seqs[i] for i in idx],
+        batch.max_tokens_per_mb,
+        [batch.starts[i] for i in idx],
     )
 
 
@@ -214,191 +230,220 @@ def _first_forward_is_proximal(ppo: PPOConfig) -> bool:
     return ppo.use_decoupled_loss and ppo.prox_approx == "none" and not masks_first
 
 
-def _proximal_pass(backend: TrainerBackend, step: _Step) -> list[int]:
+def _proximal_pass(backend: TrainerBackend, batch: StepBatch) -> list[int]:
     """1) The proximal policy = the weights before this step's first update: its log-probs
     of this rank's sequences into TokenTensors.prox. Naive PPO uses the behaviour policy's
     in its place; prox_approx interpolates them in the loss instead (no pass at all); the
     first minibatch may get them from its own forward (_first_forward_is_proximal), and
     until then has the behaviour's. Returns the sequences of the pass."""
-    ppo = step.ppo
+    ppo = batch.ppo
     rest: list[int] = []
     prox: dict[int, torch.Tensor] = {}
     if ppo.use_decoupled_loss and ppo.prox_approx == "none":
-        first = set(step.shares[0]) if _first_forward_is_proximal(ppo) else set()
-        rest = [i for i in step.mine if i not in first]
+        first = set(batch.shares[0]) if _first_forward_is_proximal(ppo) else set()
+        rest = [i for i in batch.mine if i not in first]
         if rest:
             # What the pass computes, for the planner's cost fit (areal/planner/calibrate.py).
-            work = dict(tokens=sum(step.seqlens[i] for i in rest), seqs=len(rest))
-            with events.span("proximal", version=step.version, **work):
-                prox = dict(zip(rest, _logprobs(backend, step, rest), strict=True))
-    for i, t in step.tokens.items():
+            work = dict(tokens=sum(batch.seqlens[i] for i in rest), seqs=len(rest))
+            with events.span("proximal", version=batch.version, **work):
+                prox = dict(zip(rest, _logprobs(backend, batch, rest), strict=True))
+    for i, t in batch.tokens.items():
         t.prox = torch.where(t.mask.bool(), prox.get(i, t.behav), 0.0)
     return rest
 
 
-def _reference_pass(ref: TrainerBackend | None, step: _Step) -> float:
+def _reference_pass(ref: TrainerBackend | None, batch: StepBatch) -> float:
     """1) The frozen reference policy's log-probs of this rank's sequences (ppo.kl_coef > 0)
     into TokenTensors.ref, the behaviour's off the generated tokens (a KL of 0 there).
     Returns the pass's seconds."""
     assert ref is not None, "ppo.kl_coef > 0 needs the reference policy (ref)"
     t0 = time.time()
-    with events.span("reference", version=step.version):
-        ref_lps = _logprobs(ref, step, step.mine)
+    with events.span("reference", version=batch.version):
+        ref_lps = _logprobs(ref, batch, batch.mine)
     t_ref = time.time() - t0
-    for t, lp in zip(step.tokens.values(), ref_lps, strict=True):
+    for t, lp in zip(batch.tokens.values(), ref_lps, strict=True):
         t.ref = torch.where(t.mask.bool(), lp, t.behav)
     return t_ref
 
 
 @torch.no_grad()
-def _value_pass(critic: TorchCritic, step: _Step) -> None:
+def _value_pass(critic: TorchCritic, batch: StepBatch) -> None:
     """1) The critic's values of this rank's sequences before any update (V_old: the values
     GAE uses and the value clip is centred on) into TokenTensors.old_values, 0 off the
     generated tokens."""
-    seqs = step.seqs
-    mbs = _micro_batches(seqs, step.mine, step.max_tokens_per_mb, 1)
-    streams = critic.forward(_pick(seqs, mbs), _pick(step.starts, mbs))
+    seqs = batch.seqs
+    mbs = _micro_batches(seqs, batch.mine, batch.max_tokens_per_mb, 1)
+    streams = critic.forward(_pick(seqs, mbs), _pick(batch.starts, mbs))
     for mb, stream in zip(mbs, streams, strict=True):
         for i, part in zip(mb, stream.split([len(seqs[i]) - 1 for i in mb]), strict=True):
-            t = step.tokens[i]
+            t = batch.tokens[i]
             t.old_values = torch.where(t.mask.bool(), part, 0.0)
 
 
 def _advantages(
-    step: _Step, max_new_tokens: int | None
+    batch: StepBatch, max_new_tokens: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """2) Rewards shaped, then advantages over the whole batch (the same on every rank) into
     TokenTensors.adv (and .returns with a critic). Returns the rewards, the shaped rewards
     and the critic's statistics (gae)."""
-    trajs, ppo, dp = step.trajs, step.ppo, step.dp
+    trajs, ppo, dp = batch.trajs, batch.ppo, batch.dp
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
     truncated = torch.tensor([t.finish_reason == "length" for t in trajs])
     shaped = ppo_batch.shaped_rewards(
-        trajs, rewards, truncated, step.tokens, ppo, dp, max_new_tokens
+        trajs, rewards, truncated, batch.tokens, ppo, dp, max_new_tokens
     )
     critic_stats = ppo_batch.advantages(
-        trajs, step.tokens, shaped, truncated, ppo, dp, max_new_tokens
+        trajs, batch.tokens, shaped, truncated, ppo, dp, max_new_tokens
     )
     return rewards, shaped, critic_stats
 
 
-def _loss_sums(step: _Step, rest: list[int]) -> dict[str, float]:
+def _loss_sums(batch: StepBatch) -> dict[str, float]:
     """4) The loss statistics' sums at zero, with every key a micro-batch reports (every rank
     the same keys), and the fresh-token check of the proximal pass's sequences already in."""
-    ppo = step.ppo
+    ppo = batch.ppo
     keys = ["loss/ppo", *_TOKEN_MEANS[:3], *_COUNTS]
     keys += ["loss/kl_ref"] if ppo.kl_coef > 0 and ppo.kl_in == "loss" else []
     keys += ["loss/entropy"] if ppo.entropy_coef > 0 else []
     if ppo.behav_imp_weight_mode == "truncate":
         keys += ["loss/behav_truncated_tokens", "loss/behav_truncated_seqs"]
     stats = dict.fromkeys(keys, 0.0)
-    if ppo.use_decoupled_loss and step.version is not None:
+    if ppo.use_decoupled_loss and batch.version is not None:
         stats.update(dict.fromkeys(_FRESH, 0.0))
-        for i in rest:
-            t = step.tokens[i]
+        for i in batch.prox_seqs:
+            t = batch.tokens[i]
             _accumulate(
-                stats, ppo_batch.fresh_tokens_check(t.prox, t.behav, t.versions, step.version)
+                stats, ppo_batch.fresh_tokens_check(t.prox, t.behav, t.versions, batch.version)
             )
     if ppo.prox_approx != "none":
         stats["train/prox_approx_gap_max"] = 0.0
     return stats
 
 
-def _updates(
-    backend: TrainerBackend,
-    critic: TorchCritic | None,
-    step: _Step,
-    value_clip: float | None,
-    rest: list[int],
-) -> tuple[dict[str, float], list[float], dict[str, float]]:
-    """4) The sequential minibatch updates: the policy's, then the critic's. Returns the
-    loss statistics' sums, the policy's gradient norms and the critic's statistics' sums."""
-    stats = _loss_sums(step, rest)
-    v_now = _approx_version(step)
-    grad_norms = []
-    critic_sums: dict[str, float] = {}
-    for m, (minibatch, share) in enumerate(zip(step.minibatches, step.shares, strict=True)):
-        if not minibatch:
-            continue
-        mbs, grad_norm = _policy_update(backend, step, m, share, stats, v_now)
-        grad_norms.append(grad_norm)
-        if critic is not None:
-            t_critic = time.time()
-            mb_critic = _critic_update(critic, step, mbs, value_clip)
-            mb_critic["critic/n_updates"] = 1.0
-            for k, v in mb_critic.items():
-                critic_sums[k] = critic_sums.get(k, 0.0) + v
-            events.record("critic_update", t_critic, time.time(), version=step.version)
-    return stats, grad_norms, critic_sums
-
-
-def _approx_version(step: _Step) -> int | None:
+def _approx_version(batch: StepBatch) -> int | None:
     """prox_approx: the proximal policy's version, the trainer's (None without
     prox_approx); without `version`, the newest of the batch's tokens."""
-    if step.ppo.prox_approx == "none":
+    if batch.ppo.prox_approx == "none":
         return None
-    if step.version is not None:
-        return step.version
-    return max(max(t.version_max, 0) for t in step.trajs)
-
-
-def _policy_update(
-    backend: TrainerBackend,
-    step: _Step,
-    m: int,
-    share: list[int],
-    stats: dict[str, float],
-    v_now: int | None,
-) -> tuple[list[list[int]], float]:
-    """4) One optimizer step of the policy on minibatch m (this rank's `share` of it), its
-    micro-batches' loss statistics added to `stats`. Returns the micro-batches and the
-    gradient norm."""
-    ppo, dp = step.ppo, step.dp
-    t_update = time.time()  # the timeline's update span, to the optimizer step
-    n_norm = ppo_batch.minibatch_norm(step.tokens, share, ppo, dp)
-    spec = (step.max_tokens_per_mb, step.min_n_mbs)
-    # Empty micro-batches (padding for data parallelism) run nothing.
-    mbs = [mb for mb in _equal_micro_batches(step.seqs, share, spec, dp) if mb]
-    loss_fn = ppo_batch.PolicyLoss(
-        _pick(step.tokens, mbs), ppo, n_norm, first=m == 0,
-        own_prox=m == 0 and _first_forward_is_proximal(ppo), version=step.version, v_now=v_now,
-    )  # fmt: skip
-    for mb_stats in backend.forward_backward(
-        _pick(step.seqs, mbs), loss_fn, _pick(step.starts, mbs),
-        with_entropy=ppo.entropy_coef > 0,
-    ):  # fmt: skip
-        _accumulate(stats, mb_stats)
-    # Clipping and the step come after the sum over ranks: every rank applies the same
-    # update to the same weights.
-    backend.reduce_grads(dp)
-    grad_norm = backend.optimizer_step()
-    events.record(
-        "update", t_update, time.time(), version=step.version,
-        tokens=sum(step.seqlens[i] for i in share), seqs=len(share), mbs=len(mbs),
-    )  # fmt: skip
-    return mbs, grad_norm
+    if batch.version is not None:
+        return batch.version
+    return max(max(t.version_max, 0) for t in batch.trajs)
 
 
 def _critic_update(
-    critic: TorchCritic, step: _Step, mbs: list[list[int]], value_clip: float | None
-) -> dict[str, float]:
+    critic: TorchCritic, batch: StepBatch, mbs: list[list[int]], sums: dict[str, float]
+) -> None:
     """4) One update of the critic on one minibatch (this rank's micro-batches `mbs`): the
     clipped value loss (ppo_batch.ValueLoss), backward, gradients summed over ranks, its own
-    clip and optimizer step. Returns the loss, the token-weighted clip fraction's sum and
-    token count, and the gradient norm."""
-    n_local = sum(int(step.tokens[i].mask.sum()) for mb in mbs for i in mb)
-    (n_norm,) = step.dp.all_reduce([n_local], "sum")
-    loss_fn = ppo_batch.ValueLoss(_pick(step.tokens, mbs), value_clip, n_norm)
+    clip and optimizer step. Adds to `sums` the loss, the token-weighted clip fraction's sum
+    and token count, the gradient norm and the update's count."""
+    t_critic = time.time()
+    n_local = sum(int(batch.tokens[i].mask.sum()) for mb in mbs for i in mb)
+    (n_norm,) = batch.dp.all_reduce([n_local], "sum")
+    loss_fn = ppo_batch.ValueLoss(_pick(batch.tokens, mbs), batch.value_clip, n_norm)
     out = {"critic/value_loss": 0.0, "critic/clipfrac": 0.0, "critic/n_tokens": 0.0}
     for mb_stats in critic.forward_backward(
-        _pick(step.seqs, mbs), loss_fn, _pick(step.starts, mbs)
+        _pick(batch.seqs, mbs), loss_fn, _pick(batch.starts, mbs)
     ):
         out["critic/value_loss"] += mb_stats["critic/value_loss"]
         out["critic/clipfrac"] += mb_stats["critic/clipfrac"] * mb_stats["critic/n_tokens"]
         out["critic/n_tokens"] += mb_stats["critic/n_tokens"]
-    critic.reduce_grads(step.dp)
+    critic.reduce_grads(batch.dp)
     out["critic/grad_norm"] = critic.optimizer_step()
-    return out
+    out["critic/n_updates"] = 1.0
+    for k, v in out.items():
+        sums[k] = sums.get(k, 0.0) + v
+    events.record("critic_update", t_critic, time.time(), version=batch.version)
+
+
+def prepare(
+    backend: TrainerBackend,
+    trajs: Sequence[Trajectory | TrajectoryRef],
+    *,
+    ppo: PPOConfig,
+    max_tokens_per_mb: int,
+    min_n_mbs: int = 1,
+    seed: int = 0,
+    dp: DataParallel | None = None,
+    version: int | None = None,
+    ref: TrainerBackend | None = None,
+    max_new_tokens: int | None = None,
+    critic: TorchCritic | None = None,
+    value_clip: float | None = None,
+) -> StepBatch:
+    """0-3) The batch made ready for ppo_update: this rank's shard, the proximal, reference
+    and value passes, the advantages, the masks. The arguments are train_step's."""
+    dp = dp or DataParallel()
+    if (ppo.adv_estimator == "gae") != (critic is not None):
+        raise ValueError("ppo.adv_estimator=gae and a critic go together: pass both or neither")
+    if max_new_tokens is not None:  # ExperimentConfig has filled them already
+        ppo = ppo.with_lengths(max_new_tokens)
+    batch = _shard(trajs, ppo, dp, seed, version, (max_tokens_per_mb, min_n_mbs), value_clip)
+    batch.prox_seqs = _proximal_pass(backend, batch)
+    t_ref = _reference_pass(ref, batch) if ppo.kl_coef > 0 else None
+    if critic is not None:
+        with events.span("values", version=version):
+            _value_pass(critic, batch)
+    rewards, shaped, critic_stats = _advantages(batch, max_new_tokens)
+    batch.masked = ppo_batch.valid_tokens(batch.tokens, ppo, dp)
+    stats = batch.stats
+    stats["reward/mean"] = rewards.mean().item()
+    if not torch.equal(shaped, rewards):
+        stats["reward/shaped_mean"] = shaped.mean().item()
+    if t_ref is not None:
+        stats["time/reference_s"] = t_ref
+    stats["train/n_tokens"] = float(sum(t.n_generated for t in trajs))
+    stats.update(critic_stats)
+    return batch
+
+
+def ppo_update(
+    backend: TrainerBackend, batch: StepBatch, critic: TorchCritic | None = None
+) -> dict[str, float]:
+    """4) The minibatch updates of a prepared batch, in order: for each, this rank's share
+    as micro-batches through backend.forward_backward with the objective's loss_fn, the
+    gradients summed over ranks, one optimizer step; with a critic (the one prepare was
+    given), its update on the same micro-batches. 5) Returns the step's statistics, of the
+    whole batch and the same on every rank."""
+    ppo, dp = batch.ppo, batch.dp
+    if (ppo.adv_estimator == "gae") != (critic is not None):
+        raise ValueError("ppo_update takes the critic prepare took (ppo.adv_estimator=gae)")
+    sums = _loss_sums(batch)
+    v_now = _approx_version(batch)
+    grad_norms: list[float] = []
+    critic_sums: dict[str, float] = {}
+    for m, (minibatch, share) in enumerate(zip(batch.minibatches, batch.shares, strict=True)):
+        if not minibatch:
+            continue
+        t_update = time.time()  # the timeline's update span, to the optimizer step
+        n_norm = ppo_batch.minibatch_norm(batch.tokens, share, ppo, dp)
+        spec = (batch.max_tokens_per_mb, batch.min_n_mbs)
+        # Empty micro-batches (padding for data parallelism) run nothing.
+        mbs = [mb for mb in _equal_micro_batches(batch.seqs, share, spec, dp) if mb]
+        loss_fn = ppo_batch.PolicyLoss(
+            _pick(batch.tokens, mbs), ppo, n_norm, first=m == 0,
+            own_prox=m == 0 and _first_forward_is_proximal(ppo), version=batch.version,
+            v_now=v_now,
+        )  # fmt: skip
+        for mb_stats in backend.forward_backward(
+            _pick(batch.seqs, mbs), loss_fn, _pick(batch.starts, mbs),
+            with_entropy=ppo.entropy_coef > 0,
+        ):  # fmt: skip
+            _accumulate(sums, mb_stats)
+        # Clipping and the step come after the sum over ranks: every rank applies the same
+        # update to the same weights.
+        backend.reduce_grads(dp)
+        grad_norms.append(backend.optimizer_step())
+        events.record(
+            "update", t_update, time.time(), version=batch.version,
+            tokens=sum(batch.seqlens[i] for i in share), seqs=len(share), mbs=len(mbs),
+        )  # fmt: skip
+        if critic is not None:
+            _critic_update(critic, batch, mbs, critic_sums)
+    stats = _statistics(batch, sums, grad_norms)
+    if critic is not None:
+        stats.update(_critic_summary(critic_sums, dp))
+    return stats
 
 
 def train_step(
@@ -416,7 +461,8 @@ def train_step(
     critic: TorchCritic | None = None,
     value_clip: float | None = None,
 ) -> dict[str, float]:
-    """One PPO training step on the whole batch; with dp, on this rank's share of it.
+    """One PPO training step on the whole batch (prepare, then ppo_update); with dp, on
+    this rank's share of it.
 
     Every rank passes the same batch; only this rank's sequences (batch_split) need their
     tokens, the others may be TrajectoryRefs (the pull data plane). The returned
@@ -426,54 +472,36 @@ def train_step(
     rollout.max_new_tokens (ppo.overlong_penalty); `critic`: the value model of
     ppo.adv_estimator=gae, updated once per minibatch with critic.value_clip `value_clip`.
     """
-    dp = dp or DataParallel()
-    if (ppo.adv_estimator == "gae") != (critic is not None):
-        raise ValueError("ppo.adv_estimator=gae and a critic go together: pass both or neither")
-    if max_new_tokens is not None:  # ExperimentConfig has filled them already
-        ppo = ppo.with_lengths(max_new_tokens)
-    step = _prepare(trajs, ppo, dp, seed, version, max_tokens_per_mb, min_n_mbs)
-    rest = _proximal_pass(backend, step)
-    t_ref = _reference_pass(ref, step) if ppo.kl_coef > 0 else None
-    if critic is not None:
-        with events.span("values", version=version):
-            _value_pass(critic, step)
-    rewards, shaped, critic_stats = _advantages(step, max_new_tokens)
-    masked = ppo_batch.valid_tokens(step.tokens, ppo, dp)
-    sums, grad_norms, critic_sums = _updates(backend, critic, step, value_clip, rest)
-
-    stats = _loss_statistics(sums, masked, ppo, dp)
-    stats["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
-    stats["reward/mean"] = rewards.mean().item()
-    if not torch.equal(shaped, rewards):
-        stats["reward/shaped_mean"] = shaped.mean().item()
-    if t_ref is not None:
-        stats["time/reference_s"] = t_ref
-    stats["train/n_tokens"] = float(sum(t.n_generated for t in trajs))
-    if critic is not None:
-        stats.update(critic_stats)
-        stats.update(_critic_summary(critic_sums, dp))
-    return stats
+    batch = prepare(
+        backend, trajs, ppo=ppo, max_tokens_per_mb=max_tokens_per_mb, min_n_mbs=min_n_mbs,
+        seed=seed, dp=dp, version=version, ref=ref, max_new_tokens=max_new_tokens,
+        critic=critic, value_clip=value_clip,
+    )  # fmt: skip
+    return ppo_update(backend, batch, critic)
 
 
-def _loss_statistics(
-    sums: dict[str, float], masked: tuple[int, int, int], ppo: PPOConfig, dp: DataParallel
+def _statistics(
+    batch: StepBatch, sums: dict[str, float], grad_norms: list[float]
 ) -> dict[str, float]:
     """5) The loss statistics of the whole batch from every rank's sums (and ppo_batch.
-    valid_tokens' counts `masked`): token means over the valid tokens, M2PO's M2 before
-    any mask as the mean of (log pi_prox/pi_behav)^2 over the generated tokens."""
-    n_behav_tokens, n_behav_seqs, n_m2po = masked
-    if ppo.m2po_tau is not None:
+    valid_tokens' counts): token means over the valid tokens, M2PO's M2 before any mask as
+    the mean of (log pi_prox/pi_behav)^2 over the generated tokens; the mean gradient norm;
+    prepare's statistics."""
+    n_behav_tokens, n_behav_seqs, n_m2po = batch.masked
+    if batch.ppo.m2po_tau is not None:
         sums["loss/n_m2po_masked_tokens"] = float(n_m2po)
     # (generated tokens out of the loss: loss/n_capped_tokens, this mask's and M2PO's)
     sums["loss/behav_masked_tokens"] = float(n_behav_tokens)
     sums["loss/behav_masked_seqs"] = float(n_behav_seqs)
-    stats = dp.reduce_stats(sums)
+    stats = batch.dp.reduce_stats(sums)
     n_tok = max(stats["loss/n_valid_tokens"], 1.0)
     for k in _TOKEN_MEANS:
         if k in stats:
             stats[k] /= n_tok
     n_gen = stats.pop("loss/n_generated_tokens")
     stats["loss/behav_m2"] = stats.pop("loss/behav_log_weight_sq_sum") / max(n_gen, 1.0)
+    stats["grad_norm"] = sum(grad_norms) / max(1, len(grad_norms))
+    stats.update(batch.stats)
     return stats
 
 

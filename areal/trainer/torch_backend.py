@@ -59,13 +59,7 @@ from areal.lora import (
     save_adapter,
 )
 from areal.trainer.backend import DTYPES, optimizer_file
-from areal.trainer.batching import (
-    LossFn,
-    forward_backward_loop,
-    forward_loop,
-    pack_sequences,
-    scored_rows,
-)
+from areal.trainer.batching import MicroBatchLoops, pack_sequences, scored_rows
 from areal.trainer.logprobs import token_entropy, token_logprobs
 from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.packed_attention import ATTN_IMPLEMENTATION
@@ -78,9 +72,10 @@ def rank_device(dp: DataParallel) -> str | None:
     return str(dp.device) if dp.device.type == "cuda" else None
 
 
-class TorchBackend:
+class TorchBackend(MicroBatchLoops):
     """Owns the model and optimizer; computes per-token log-probs and applies updates.
-    A backend.TrainerBackend whose every rank holds the whole model."""
+    A backend.TrainerBackend whose every rank holds the whole model; `forward` and
+    `forward_backward` are MicroBatchLoops' over its log-probs."""
 
     collective_save = False  # global rank 0 holds all the weights and optimizer state
 
@@ -196,23 +191,14 @@ class TorchBackend:
         on = self.compute_dtype != torch.float32
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=on)
 
-    def forward(
+    def stream(
         self,
-        micro_batches: Sequence[Sequence[Sequence[int]]],
-        starts: Sequence[Sequence[int]] | None = None,
-    ) -> list[torch.Tensor]:
-        """Each micro-batch's log-prob stream (batching.forward_loop over self.logprobs)."""
-        return forward_loop(self.logprobs, micro_batches, starts)
-
-    def forward_backward(
-        self,
-        micro_batches: Sequence[Sequence[Sequence[int]]],
-        loss_fn: LossFn,
-        starts: Sequence[Sequence[int]] | None = None,
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
         with_entropy: bool = False,
-    ) -> list[dict[str, float]]:
-        """The plain micro-batch loop (batching.forward_backward_loop) over self.logprobs."""
-        return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts, with_entropy)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """MicroBatchLoops' packed forward: the log-prob stream (self.logprobs)."""
+        return self.logprobs(seqs, starts, with_entropy)
 
     def reduce_grads(self, dp: DataParallel) -> None:
         """Sum gradients over the data-parallel ranks (a no-op without them)."""

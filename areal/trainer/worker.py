@@ -1,16 +1,19 @@
 """The trainer worker: batch in, PPO update, weights out, one line of metrics.
 
 One loop, the same on every rank of the trainer world (`train`: `Trainer.step` up to
-total_train_steps, over the objects `make_trainer` builds; areal.build's `Run.step` is the
-same step, in your loop); what only global rank 0 does in it (`dp.is_main`) talks to the
+total_train_steps, over the objects `make_trainer` builds; areal.build's Run calls the same
+three phases from your loop); what only global rank 0 does in it (`dp.is_main`) talks to the
 controller and writes files:
 
     step: version i -> i+1, on every rank
+    next_batch:
       get_batch(i): rank 0 asks the controller --broadcast--> every other rank
                rollout.data_plane=pull: the reply is the batch's metadata; every rank
                fetches the tokens of its own share from their holders (data_plane.py)
-      train_step: proximal log-probs, advantages, minibatch updates on this rank's share
-      publish: rank 0 writes weights/v(i+1)/ + weights_ready(i+1) --> controller
+      step.prepare: proximal log-probs, advantages, masks of this rank's share
+    step.ppo_update: the minibatch updates on this rank's share
+    publish:
+      weights: rank 0 writes weights/v(i+1)/ + weights_ready(i+1) --> controller
                (collective backend: every rank contributes its slices of the weights)
                weights.transport=distributed: rank 0 broadcasts v(i+1) to the servers
                (trainer/broadcast.py), to disk every few versions in the background
@@ -52,7 +55,7 @@ from areal.trainer.backend import TrainerBackend
 from areal.trainer.broadcast import WeightBroadcaster
 from areal.trainer.factory import make_backend, make_critic, make_reference
 from areal.trainer.parallel import DataParallel, init_data_parallel
-from areal.trainer.step import batch_split, train_step
+from areal.trainer.step import StepBatch, batch_split, ppo_update, prepare
 from areal.trajectory import Trajectory, TrajectoryRef, is_ref
 from areal.weights import publish
 
@@ -192,8 +195,8 @@ def _get_batch(controller: SyncRpcClient | None, version: int, dp: DataParallel)
 def batch_trajectories(
     cfg: ExperimentConfig, reply: dict, version: int, dp: DataParallel, puller: Puller
 ) -> tuple[list[Trajectory | TrajectoryRef], dict[str, float]]:
-    """The batch as train_step takes it, and what this rank received of it. Relay: whole
-    trajectories. Pull: references, with this rank's own share (the split train_step
+    """The batch as step.prepare takes it, and what this rank received of it. Relay: whole
+    trajectories. Pull: references, with this rank's own share (the split step.prepare
     makes, from the lengths) whole; the others stay references. The replica's head fetches
     the share from the holders (one round trip to each) and sends it to the replica's other
     tensor and pipeline ranks, within that group only; data/pulled_bytes counts what came
@@ -230,6 +233,17 @@ def batch_line(version: int, trajs: list[Trajectory | TrajectoryRef], stale: lis
 
 
 @dataclass
+class _Pending:
+    """A batch between next_batch and publish, with what the metrics line takes of its
+    arrival: the controller's statistics, this rank's received bytes, the time it came."""
+
+    batch: StepBatch
+    batch_stats: dict
+    received: dict[str, float]
+    t_batch: float
+
+
+@dataclass
 class Trainer:
     """One trainer rank's built objects and the step they take together (the module doc's
     loop body). `cfg` gives settings only (the step's arguments, where weights go, when to
@@ -247,25 +261,47 @@ class Trainer:
     metrics: _Metrics | None = None  # global rank 0's metrics.jsonl and batches.jsonl
     broadcaster: WeightBroadcaster | None = None  # weights.transport=distributed, rank 0
     t_saved: float = field(default_factory=time.time)
+    pending: _Pending | None = None  # next_batch's, until publish
 
     def step(self) -> dict[str, float]:
-        """One step, version i -> i+1: batch, train_step, publish, metrics, maybe a
-        checkpoint. Returns the step's metrics line (global rank 0; elsewhere its stats)."""
+        """One step, version i -> i+1: its batch prepared, the PPO update, the new version
+        published. Returns the step's metrics line (global rank 0; elsewhere its stats)."""
+        batch = self.next_batch()
+        return self.publish(batch, ppo_update(self.backend, batch, self.critic))
+
+    def next_batch(self) -> StepBatch:
+        """The batch of the step from this version (the controller's, the oldest that
+        max_staleness allows), this rank's share fetched and prepared (step.prepare:
+        proximal log-probs, advantages, masks), ready for step.ppo_update."""
         cfg, dp, version = self.cfg, self.dp, self.version
         self.cores.wait()  # lends its cores to the servers until its batch comes
         reply = _get_batch(self.controller, version, dp)
         self.cores.work()
         trajs, received = batch_trajectories(cfg, reply, version, dp, self.puller)
         t_batch = time.time()
-        stats = train_step(
+        batch = prepare(
             self.backend, trajs, dp=dp, ref=self.ref, critic=self.critic,
             **_step_args(cfg, version),
         )  # fmt: skip
-        stats.update(received)
-        t_train = time.time() - t_batch
+        self.pending = _Pending(batch, reply["stats"], received, t_batch)
+        return batch
+
+    def publish(self, batch: StepBatch, stats: dict[str, float]) -> dict[str, float]:
+        """After ppo_update(batch) gave `stats`: the new version's weights to the servers,
+        the step's metrics line, a checkpoint when one is due. Returns the metrics line
+        (global rank 0; elsewhere `stats` and what this rank measured)."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending.batch is not batch:
+            raise RuntimeError(
+                "publish(batch, stats) takes the batch of the last next_batch(), once, after "
+                "ppo_update(batch) (or call step(), which does all three)"
+            )
+        cfg, dp = self.cfg, self.dp
+        stats = {**stats, **pending.received}
+        t_train = time.time() - pending.t_batch
         stats["time/train_threads"] = self.cores.threads_mean()
-        stale = staleness(trajs, version)
-        self.version = version = version + 1  # this rank holds the weights of the new version
+        stale = staleness(batch.trajs, self.version)
+        self.version = version = self.version + 1  # this rank holds the new version's weights
         publish_weights(cfg, self.backend, self.controller, version, dp, self.broadcaster)
         if self.broadcaster is not None:
             stats.update(self.broadcaster.stats)
@@ -273,7 +309,7 @@ class Trainer:
             rolelog.set_context(version=version)
             log.info("trained in %.2fs, published version %d", t_train, version)
             stats = self.metrics.write(
-                version, trajs, stale, stats, reply["stats"], t_batch, t_train
+                version, batch.trajs, stale, stats, pending.batch_stats, pending.t_batch, t_train
             )
         if save_due(cfg, version, self.t_saved, dp):
             save_checkpoint(cfg, self.backend, self.controller, version, dp, self.critic)
@@ -387,7 +423,7 @@ class _Metrics:
 
 
 def _step_args(cfg: ExperimentConfig, version: int) -> dict:
-    """train_step's arguments for the step from `version` to version + 1."""
+    """step.prepare's (train_step's) arguments for the step from `version` to version + 1."""
     return dict(
         ppo=cfg.ppo,
         max_new_tokens=cfg.rollout.max_new_tokens,

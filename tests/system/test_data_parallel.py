@@ -110,10 +110,10 @@ class Recorder:
         real_logprobs, real_step = backend.logprobs, backend.optimizer_step
         real_equal = step_mod._equal_micro_batches
 
-        def logprobs(seqs, starts=None):
+        def logprobs(seqs, starts=None, with_entropy=False):
             if torch.is_grad_enabled():  # the update's forwards, not the proximal one
                 self.seqs += [list(s) for s in seqs]
-            return real_logprobs(seqs, starts)
+            return real_logprobs(seqs, starts, with_entropy)
 
         def optimizer_step():
             self.grads.append([p.grad.detach().clone() for p in backend.model.parameters()])

@@ -16,16 +16,12 @@ from examples import rl_from_objects
 
 # The frames from the script's loop down to the loss, as documented (architecture.md).
 CHAIN = [
-    "Run.step",  # areal/inline.py
-    "Trainer.step",  # trainer/worker.py: batch, update, publish, metrics
-    "train_step",  # trainer/step.py: the step's phases
-    "_updates",
-    "_policy_update",  # one minibatch: micro-batches, one optimizer step
-    "TorchBackend.forward_backward",
-    "forward_backward_loop",  # trainer/batching.py
+    "ppo_update",  # trainer/step.py: the minibatch loop, one optimizer step each (run.ppo_update)
+    "MicroBatchLoops.forward_backward",  # trainer/batching.py: the micro-batch loop
     "PolicyLoss.__call__",  # trainer/ppo_batch.py: micro-batch k's tensors
     "policy_loss",  # trainer/ppo.py: the objective
 ]
+MAX_DEPTH = 4  # issue 57's target: a breakpoint in the loss at most 4 calls below the loop
 
 
 @pytest.mark.timeout(120)
@@ -34,10 +30,12 @@ def test_the_example_learns_and_its_loss_is_under_the_loop(tmp_path, monkeypatch
     real_loss = ppo.policy_loss
 
     def loss(*args, **kwargs):  # where a researcher puts a breakpoint
+        # The frames a debugger's "up" walks from here to the script's loop.
         frame, names = sys._getframe(), []
         while frame is not None and frame.f_code is not rl_from_objects.main.__code__:
             names.append(frame.f_code.co_qualname)
             frame = frame.f_back
+        assert frame is not None, f"the loss ran outside the script's loop: {names}"
         chains.append((threading.current_thread().name, ["policy_loss", *names[1:]][::-1]))
         return real_loss(*args, **kwargs)
 
@@ -50,6 +48,7 @@ def test_the_example_learns_and_its_loss_is_under_the_loop(tmp_path, monkeypatch
     assert chains, "the loss never ran"
     thread, chain = chains[0]
     assert thread == threading.current_thread().name  # the loop's thread: step into it
+    assert len(chain) <= MAX_DEPTH, chain
     assert chain == CHAIN, chain
     assert (tmp_path / "tiny" / "run0" / "metrics.jsonl").read_text().count("\n") == 10
 

@@ -10,7 +10,7 @@ Two paths behind one interface, chosen by what the machine has:
 |------------|----------------------------------------|----------------------------------------|
 | layers     | local spec, SDPA per packed sequence   | TE spec, packed THD sequences (if TE)  |
 | parameters | model.dtype                            | model.dtype (bf16) in Float16Module    |
-| pp = 1     | batching.forward_backward_loop         | batching.forward_backward_loop         |
+| pp = 1     | batching.MicroBatchLoops' plain loops  | batching.MicroBatchLoops' plain loops  |
 | pp > 1     | pipeline.gpipe (gloo send/recv)        | gpu.forward_backward_pipelined (1F1B)  |
 | gradients  | DataParallel.all_reduce_grads (DP grp) | Megatron DDP, fp32 grad buffers        |
 |            | + tied-embedding sum, first/last stage | (finalize_model_grads does both)       |
@@ -32,13 +32,7 @@ import torch.distributed as dist
 
 from areal.checkpoint import load_rank_state, save_rank_state
 from areal.trainer.backend import DTYPES, optimizer_file
-from areal.trainer.batching import (
-    LossFn,
-    forward_backward_loop,
-    forward_loop,
-    pack_sequences,
-    scored_rows,
-)
+from areal.trainer.batching import LossFn, MicroBatchLoops, pack_sequences, scored_rows
 from areal.trainer.logprobs import token_logprobs
 from areal.trainer.megatron import cuda_redirect, pipeline
 from areal.trainer.megatron.model import build_gpt_model, has_transformer_engine, read_hf_config
@@ -73,8 +67,9 @@ def data_parallel_group(world: DataParallel) -> DataParallel:
     )
 
 
-class MegatronBackend:
-    """Owns this rank's model slice and optimizer (a backend.TrainerBackend)."""
+class MegatronBackend(MicroBatchLoops):
+    """Owns this rank's model slice and optimizer (a backend.TrainerBackend); with one
+    pipeline stage MicroBatchLoops' loops run its log-probs."""
 
     collective_save = True  # each rank holds a slice of the weights and of the optimizer
 
@@ -174,10 +169,10 @@ class MegatronBackend:
         micro_batches: Sequence[Sequence[Sequence[int]]],
         starts: Sequence[Sequence[int]] | None = None,
     ) -> list[torch.Tensor]:
-        """Each micro-batch's log-prob stream on every rank (batching.forward_loop's
+        """Each micro-batch's log-prob stream on every rank (MicroBatchLoops.forward's
         contract); with pp > 1 through a pipeline schedule (see the module table)."""
         if self.pp == 1:
-            return forward_loop(self.logprobs, micro_batches, starts)
+            return super().forward(micro_batches, starts)
         return self._pipelined(micro_batches, None, starts)
 
     def forward_backward(
@@ -187,13 +182,13 @@ class MegatronBackend:
         starts: Sequence[Sequence[int]] | None = None,
         with_entropy: bool = False,
     ) -> list[dict[str, float]]:
-        """batching.forward_backward_loop's contract on every rank; with pp > 1 through a
+        """MicroBatchLoops.forward_backward's contract on every rank; with pp > 1 through a
         pipeline schedule (see the module table). No entropy: the vocab-parallel entropy
         is not built (the config refuses ppo.entropy_coef with this backend)."""
         if with_entropy:
             raise ValueError("the megatron backend does not compute entropies: entropy_coef=0")
         if self.pp == 1:
-            return forward_backward_loop(self.logprobs, micro_batches, loss_fn, starts)
+            return super().forward_backward(micro_batches, loss_fn, starts)
         return self._pipelined(micro_batches, loss_fn, starts)
 
     def _pipelined(
@@ -215,6 +210,15 @@ class MegatronBackend:
         return pipeline.broadcast_from_last_stage(
             results, micro_batches, loss_fn is None, self.device
         )
+
+    def stream(
+        self,
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+        with_entropy: bool = False,
+    ) -> torch.Tensor:
+        """MicroBatchLoops' packed forward (one stage): the log-prob stream (self.logprobs)."""
+        return self.logprobs(seqs, starts, with_entropy)
 
     def logprobs(
         self,

@@ -67,7 +67,7 @@ def forward_backward_pipelined(
     loss_fn: LossFn | None = None,
     starts: Sequence[Sequence[int]] | None = None,
 ) -> list:
-    """forward_loop's (without loss_fn) or forward_backward_loop's contract through
+    """MicroBatchLoops.forward's (without loss_fn) or .forward_backward's contract through
     Megatron's pipeline schedule (1F1B).
 
     On the last stage: each micro-batch's log-prob stream without loss_fn (forward only),

@@ -66,7 +66,7 @@ def gpipe(
     loss_fn: LossFn | None,
     starts: Sequence[Sequence[int]] | None = None,
 ) -> list:
-    """forward_loop's (without loss_fn) or forward_backward_loop's contract over the
+    """MicroBatchLoops.forward's (without loss_fn) or .forward_backward's contract over the
     pipeline stages: the results on the last stage, [] elsewhere."""
     from megatron.core import parallel_state as ps
 
