@@ -91,7 +91,8 @@ class TrainerBackend(Protocol):
     ) -> list[dict[str, float]]:
         """loss_fn(k, log-prob stream of micro-batch k) -> (loss, stats); loss.backward(),
         gradients accumulating. Each micro-batch's stats, on every rank. with_entropy:
-        loss_fn(k, log-probs, per-token entropy) (a backend may refuse it: ValueError)."""
+        loss_fn(k, log-probs, per-token entropy) (a backend may refuse it: ValueError).
+        batching.MicroBatchLoops is the plain loop (loss_fn called from its own frame)."""
         ...
 
     def reduce_grads(self, dp: DataParallel) -> None:

@@ -38,7 +38,7 @@ from areal.trajectory import Trajectory, TrajectoryRef
 class TokenTensors:
     """The per-token tensors of one sequence, aligned with the backend's log-prob stream
     (L - 1 entries: entry j is the prediction of token j + 1), or of several packed end to
-    end (`cat`: one micro-batch). The rollout's three come first (`of`); train_step's phases
+    end (`cat`: one micro-batch). The rollout's three come first (`of`); step.prepare's phases
     fill in the rest, each in its turn: the passes prox, ref and old_values, the advantages
     adv and returns, the masks valid."""
 

@@ -66,3 +66,22 @@ def test_build_says_what_is_wrong(tmp_path):
     with pytest.raises(ConfigError, match="one torch rank"):
         areal.build(model, tokenizer, "arith", [*config, "trainer.parallel.dp=2"])
     assert not (tmp_path / "tiny").exists()  # refused before the run's directory is made
+
+
+@pytest.mark.timeout(120)
+def test_the_phases_publish_each_batch_once(tmp_path):
+    model, tokenizer = build_tiny_model(warmup_steps=0)
+    config = [
+        f"fileroot={tmp_path}", "trainer.batch_size=4", "rollout.group_size=2",
+        "trainer.save_freq_steps=0",
+    ]  # fmt: skip
+    with areal.build(model, tokenizer, "arith", config) as run:
+        batch = run.next_batch()
+        stats = run.ppo_update(batch)
+        line = run.publish(batch, stats)
+        assert line["version"] == run.version == 1
+        assert "reward/mean" in stats  # the caller's statistics, left as they were
+        with pytest.raises(RuntimeError, match="batch of the last next_batch"):
+            run.publish(batch, stats)  # a version per update, never two
+        assert run.version == 1
+        assert run.step()["version"] == 2  # the three at once
