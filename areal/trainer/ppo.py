@@ -497,22 +497,62 @@ def m2po_threshold(second_moments: torch.Tensor, tau: float) -> float:
     return float(m[ok[0, 0] - 1]) if len(ok) else float(m[-1])  # none: everything goes
 
 
+def m2po_cap(second_moments: torch.Tensor, tau: float) -> float:
+    """M2PO's cut as its authors' code makes it (Infini-AI-Lab/M2PO, kpo_clip_harmful_tokens):
+    the smallest value c of the m given at which capping every m at c brings their mean to
+    tau: mean(min(m, c)) >= tau. Tokens with m >= c are masked (their code's clip at
+    |log r| < sqrt(c), which drops these tokens' gradient); inf when mean(m) <= tau. Capped,
+    not removed, the largest values still count in the mean, so over the same m it masks at
+    least what m2po_threshold's removal does."""
+    m = torch.sort(second_moments.to(torch.float64).flatten()).values
+    n = len(m)
+    if n == 0 or m.mean() <= tau:
+        return float("inf")
+    # capped[k]: sum of min(m_i, m[k]) = the k + 1 smallest, then m[k] for each of the rest.
+    capped = torch.cumsum(m, 0) + m * torch.arange(n - 1, -1, -1, dtype=torch.float64)
+    return float(m[(capped >= tau * n).nonzero()[0, 0]])
+
+
+def m2po_candidates(
+    log_w: torch.Tensor, advantages: torch.Tensor | None, valid: torch.Tensor, ppo: PPOConfig
+) -> torch.Tensor:
+    """The tokens M2PO's cut weighs and may mask (log_w = log pi_prox/pi_behav): every valid
+    one (m2po_tokens=all), or those whose weight has moved in their advantage's direction
+    (trust_region: A > 0 with w > 1, A < 0 with w < 1), the ones a trust region bounds; a
+    token whose probability moved against its advantage keeps its gradient, which corrects
+    that move."""
+    if ppo.m2po_tokens == "all":
+        return valid
+    assert advantages is not None, "m2po_tokens=trust_region needs the advantages"
+    return valid & (((advantages > 0) & (log_w > 0)) | ((advantages < 0) & (log_w < 0)))
+
+
+def m2po_cut(second_moments: torch.Tensor, ppo: PPOConfig) -> float:
+    """M2PO's cut over the candidates' m (every rank's): tokens with m >= it are masked."""
+    if ppo.m2po_tokens == "all":
+        return m2po_threshold(second_moments, ppo.m2po_tau)
+    return m2po_cap(second_moments, ppo.m2po_tau)
+
+
 def token_mask(
     proximal_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
     loss_mask: torch.Tensor,
     cfg: Any,
     seq_lens: Sequence[int] | torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The valid tokens of one batch: generated, kept by the behaviour weight's mask, and not
     cut by the M2PO mask (over these tokens; the trainer applies it over the whole batch).
-    seq_lens: needed with a sequence-level mask; None = one sequence."""
+    seq_lens: needed with a sequence-level mask; None = one sequence. advantages: needed
+    with m2po_tokens=trust_region."""
     ppo = _ppo(cfg)
     lens = [len(loss_mask)] if seq_lens is None else seq_lens
     valid = correction_mask(proximal_logprobs, behaviour_logprobs, loss_mask, lens, ppo)
     if ppo.m2po_tau is not None:
-        m = (proximal_logprobs - behaviour_logprobs).double() ** 2
-        valid = valid & (m < m2po_threshold(m[valid], ppo.m2po_tau))
+        log_w = (proximal_logprobs - behaviour_logprobs).double()
+        weighed = m2po_candidates(log_w, advantages, valid, ppo)
+        valid = valid & ~(weighed & (log_w**2 >= m2po_cut(log_w[weighed] ** 2, ppo)))
     return valid
 
 
@@ -592,7 +632,9 @@ def policy_loss(
     token_mask over this stream (the trainer passes the mask it made over the whole batch).
     """
     if valid is None:
-        valid = token_mask(proximal_logprobs, behaviour_logprobs, loss_mask, cfg, seq_lens)
+        valid = token_mask(
+            proximal_logprobs, behaviour_logprobs, loss_mask, cfg, seq_lens, advantages
+        )
     valid = valid.bool()
     seq_id = _segments(seq_lens, len(logprobs), logprobs.device)
     n_tok_seq = _per_seq(valid.to(logprobs.dtype), seq_id, len(seq_lens))  # valid per sequence

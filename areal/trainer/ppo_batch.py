@@ -245,23 +245,25 @@ def valid_tokens(
         lost = int((t.mask.bool() & ~t.valid).sum())
         n_tokens += lost
         n_seqs += lost > 0
-    n_m2po = _m2po_mask(tokens, ppo.m2po_tau, dp) if ppo.m2po_tau is not None else 0
+    n_m2po = _m2po_mask(tokens, ppo, dp) if ppo.m2po_tau is not None else 0
     return n_tokens, n_seqs, n_m2po
 
 
-def _m2po_mask(tokens: dict[int, TokenTensors], tau: float, dp: DataParallel) -> int:
-    """M2PO's cut over the valid tokens of the whole batch (every rank's, gathered), applied
-    to this rank's; returns how many of its tokens it masked."""
-    m2 = [(t.prox - t.behav).double() ** 2 for t in tokens.values()]
-    local = [m[t.valid] for t, m in zip(tokens.values(), m2, strict=True)]
-    cut = objective.m2po_threshold(
-        dp.all_gather(torch.cat(local) if local else torch.zeros(0)), tau
-    )
+def _m2po_mask(tokens: dict[int, TokenTensors], ppo: PPOConfig, dp: DataParallel) -> int:
+    """M2PO's cut over the tokens it weighs in the whole batch (every rank's, gathered),
+    applied to this rank's; returns how many of its tokens it masked."""
+    log_w = [(t.prox - t.behav).double() for t in tokens.values()]
+    weighed = [
+        objective.m2po_candidates(lw, t.adv, t.valid, ppo)
+        for t, lw in zip(tokens.values(), log_w, strict=True)
+    ]
+    local = [lw[w] ** 2 for lw, w in zip(log_w, weighed, strict=True)]
+    cut = objective.m2po_cut(dp.all_gather(torch.cat(local) if local else torch.zeros(0)), ppo)
     n_masked = 0
-    for t, m in zip(tokens.values(), m2, strict=True):
-        kept = t.valid & (m < cut)
-        n_masked += int((t.valid & ~kept).sum())
-        t.valid = kept
+    for t, lw, w in zip(tokens.values(), log_w, weighed, strict=True):
+        masked = w & (lw**2 >= cut)
+        n_masked += int(masked.sum())
+        t.valid = t.valid & ~masked
     return n_masked
 
 

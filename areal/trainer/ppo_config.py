@@ -51,10 +51,17 @@ RECIPES: dict[str, dict[str, Any]] = {
         adv_estimator="reinforce_pp", kl_coef=0.01, kl_estimator="k2", kl_in="reward"
     ),
     # CISPO (MiniMax-M1, 2025): clipped stop-gradient IS weight times the log-prob, no lower
-    # bound, token mean.
-    "cispo": dict(adv_estimator="grpo", loss="cispo", eps_clip=1.0, eps_clip_higher=4.0),
-    # M2PO (Zheng et al. 2025): the AReaL objective with the second-moment mask (tau 0.04).
-    "m2po": dict(adv_estimator="grpo", m2po_tau=0.04),
+    # bound, token mean; zero-variance filtering (as ScaleRL, Khatri et al. 2025, runs CISPO;
+    # here DAPO's form, which refills the batch): a CISPO step has no trust region, and on
+    # a small model the groups it collapses onto one answer otherwise fill the batch with
+    # zero advantages (docs/guides/objectives.md).
+    "cispo": dict(
+        adv_estimator="grpo", loss="cispo", eps_clip=1.0, eps_clip_higher=4.0, dynamic_sampling=True
+    ),
+    # M2PO (Zheng et al. 2025): the AReaL objective with the second-moment mask (tau 0.04),
+    # over the tokens its authors' code weighs: those whose weight moved in their
+    # advantage's direction, the rest keep the gradient that corrects their drift.
+    "m2po": dict(adv_estimator="grpo", m2po_tau=0.04, m2po_tokens="trust_region"),
     # SAPO (Gao et al. 2025, Qwen): a sigmoid gate in place of the clip, temperatures 1.0 for
     # positive and 1.05 for negative advantages, group advantages, per-sequence token mean.
     "sapo": dict(
@@ -108,6 +115,7 @@ _AREAL = dict(
     dynamic_sampling=False,
     cispo_mask=False,
     cispo_ratio="proximal",
+    m2po_tokens="all",
     behav_imp_weight_mode="mask",
     behav_imp_weight_level="token",
 )
@@ -194,7 +202,9 @@ class PPOConfig(Section):
     sapo_tau_neg: float | None = None
     """loss=sapo: the gate's temperature where A <= 0 (the paper's 1.05)."""
     m2po_tau: float | None = None
-    """M2PO: mask the tokens with the largest (log pi_prox/pi_behav)^2 until the batch's mean of it is <= tau; null = off."""  # noqa: E501
+    """M2PO: mask the tokens with the largest (log pi_prox/pi_behav)^2 until the batch's mean of it is <= tau (m2po_tokens says which tokens and how); null = off."""  # noqa: E501
+    m2po_tokens: str | None = None
+    """M2PO's cut: all (every valid token weighed; the largest removed until the mean of the rest is <= m2po_tau: the paper's mask as upstream AReaL applies it) or trust_region (only the tokens whose weight moved in their advantage's direction, A > 0 with w > 1 and A < 0 with w < 1, weighed and masked; the cut is the smallest m at which capping every m there brings their mean to m2po_tau: the M2PO authors' code)."""  # noqa: E501
     prox_approx: str = "none"
     """none (a forward pass computes the proximal log-probs) or loglinear (upstream AReaL's interpolation between the behaviour and current log-probs by version: no proximal pass)."""  # noqa: E501
     # ---- aggregation and regularisers ----
@@ -286,6 +296,7 @@ class PPOConfig(Section):
                 )
         if self.m2po_tau is not None:
             self._positive("m2po_tau")
+        self._one_of("m2po_tokens", ("all", "trust_region"))
         if self.overlong_buffer is not None:
             self._positive("overlong_buffer")
         if self.loss_agg_norm_len is not None:
@@ -427,7 +438,10 @@ class PPOConfig(Section):
         if self.entropy_coef:
             parts.append(f"entropy={self.entropy_coef:g}")
         if self.m2po_tau is not None:
-            parts.append(f"m2po_tau={self.m2po_tau:g}")
+            parts.append(
+                f"m2po_tau={self.m2po_tau:g}"
+                + ("" if self.m2po_tokens == "all" else f" over {self.m2po_tokens}")
+            )
         if self.loss == "sapo":
             parts.append(f"sapo_tau={self.sapo_tau_pos:g}/{self.sapo_tau_neg:g}")
         if (self.behav_imp_weight_cap, self.behav_imp_weight_floor) != (None, None):

@@ -52,6 +52,9 @@ OBJECTIVES = {
         loss_agg="seq_mean_token_sum_norm",
         loss_agg_norm_len=16,
     ),
+    # The m2po recipe's cut weighs only the tokens whose weight moved with their advantage:
+    # the advantages, every rank's, decide which tokens its gathered cut sees.
+    "m2po_recipe": PPOConfig(recipe="m2po", n_minibatches=2),
     # REINFORCE++'s per-token whitening: a mean and a variance over the tokens of all ranks
     # (long-tailed lengths, so per-token and per-sequence statistics differ).
     "reinforce_pp": PPOConfig(

@@ -21,6 +21,7 @@ from areal.trainer.ppo import (
     approx_proximal_logprobs,
     compute_advantages,
     kl_estimate,
+    m2po_cap,
     m2po_threshold,
     norm_count,
     policy_loss,
@@ -168,7 +169,7 @@ def reference_valid(s, cfg: PPOConfig) -> torch.Tensor:
             for t, k in zip(gen, keep, strict=True):
                 valid[t] = bool(k)
             start += length
-    if cfg.m2po_tau is not None:
+    if cfg.m2po_tau is not None and cfg.m2po_tokens == "all":
         m2 = (s["prox"] - s["behav"]) ** 2
         kept = [i for i in range(len(m2)) if valid[i]]
         while kept and sum(m2[i] for i in kept) / len(kept) > cfg.m2po_tau:
@@ -176,6 +177,30 @@ def reference_valid(s, cfg: PPOConfig) -> torch.Tensor:
             kept = [i for i in kept if m2[i] < top]
         valid = torch.zeros_like(valid)
         valid[kept] = True
+    if cfg.m2po_tau is not None and cfg.m2po_tokens == "trust_region":
+        valid = reference_m2po_trust_region(s, cfg, valid)
+    return valid
+
+
+def reference_m2po_trust_region(s, cfg: PPOConfig, valid: torch.Tensor) -> torch.Tensor:
+    """M2PO as its authors' code cuts (Infini-AI-Lab/M2PO, kpo_clip_harmful_tokens): only
+    the tokens whose log-ratio moved in their advantage's direction count; the smallest of
+    their m = (log w)^2 at which capping all of them there brings the mean to tau is the cut;
+    those at or above it are masked."""
+    log_w = [float(p - b) for p, b in zip(s["prox"], s["behav"], strict=True)]
+    moved = [
+        i for i in range(len(log_w))
+        if valid[i] and ((s["adv"][i] > 0 and log_w[i] > 0) or (s["adv"][i] < 0 and log_w[i] < 0))
+    ]  # fmt: skip
+    m2 = {i: log_w[i] ** 2 for i in moved}
+    if not moved or sum(m2.values()) / len(moved) <= cfg.m2po_tau:
+        return valid
+    for c in sorted(m2.values()):
+        if sum(min(v, c) for v in m2.values()) / len(moved) >= cfg.m2po_tau:
+            break
+    valid = valid.clone()
+    for i in moved:
+        valid[i] = m2[i] < c
     return valid
 
 
@@ -234,6 +259,10 @@ KNOBS = {
     ),
     "mis_with_m2po": dict(recipe="mis", behav_imp_weight_cap=3.0, m2po_tau=0.03),
     "m2po": dict(m2po_tau=0.02),
+    "m2po_trust_region": dict(m2po_tau=0.02, m2po_tokens="trust_region"),
+    "m2po_trust_region_gspo": dict(
+        m2po_tau=0.01, m2po_tokens="trust_region", importance_sampling_level="sequence"
+    ),
     "gspo_recipe": dict(recipe="gspo", eps_clip=0.05, eps_clip_higher=0.06),
     "grpo_recipe": dict(recipe="grpo"),
     "dapo_recipe": dict(recipe="dapo"),
@@ -431,6 +460,30 @@ def test_m2po_masks_only_the_outliers_of_a_stale_batch() -> None:
     assert {3, 17, 40} <= set(dropped) and len(dropped) < 10
     m2 = ((s["prox"] - s["behav"]) ** 2)[valid]
     assert m2.mean() <= 0.04
+
+
+def test_m2po_cap_counts_the_capped_values_in_the_mean() -> None:
+    m = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5], dtype=torch.float64)
+    # removal: without 0.5 the mean is 0.25 <= 0.26, so the cut is 0.5. Capped at 0.4 the
+    # sum is 1.0 + 0.4 = 1.4 >= 5 * 0.26, at 0.3 it is 0.6 + 0.3 * 2 = 1.2: the cut is 0.4
+    assert m2po_threshold(m, 0.26) == pytest.approx(0.5)
+    assert m2po_cap(m, 0.26) == pytest.approx(0.4)
+    assert m2po_cap(m, 0.3) == math.inf  # the mean fits already
+    assert m2po_cap(torch.tensor([0.3, 0.4]), 0.1) == pytest.approx(0.3)  # all above: all go
+
+
+def test_m2po_trust_region_keeps_the_tokens_that_moved_against_their_advantage() -> None:
+    """A drift toward a token the advantage punishes (A < 0, w > 1) is what its gradient
+    corrects: the authors' cut keeps it, the all-token mask takes it out."""
+    prox = torch.log(torch.tensor([0.9, 0.9, 0.5, 0.5], dtype=torch.float64))
+    behav = torch.log(torch.tensor([0.1, 0.1, 0.5, 0.5], dtype=torch.float64))  # w = 9, 9, 1, 1
+    adv = torch.tensor([-1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(4)
+    every = token_mask(prox, behav, mask, PPOConfig(m2po_tau=0.04), advantages=adv)
+    assert every.tolist() == [False, False, True, True]
+    moved = PPOConfig(m2po_tau=0.04, m2po_tokens="trust_region")
+    kept = token_mask(prox, behav, mask, moved, advantages=adv)
+    assert kept.tolist() == [True, False, True, True]
 
 
 def test_prox_approx_interpolates_by_version() -> None:
