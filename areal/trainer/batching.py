@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,7 +43,7 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 """loss_fn(k, log-prob stream of micro-batch k[, its per-token entropy]) -> (loss, stats)."""
 
 
-class MicroBatchLoops:
+class MicroBatchLoops(abc.ABC):
     """`forward` and `forward_backward` as plain loops over micro-batches (no pipeline
     stages), over a subclass's packed forward `stream`: the torch backend's log-probs, the
     critic's values, the megatron backend's log-probs with one stage. `forward_backward` is
@@ -52,6 +53,7 @@ class MicroBatchLoops:
     (the entries before it are 0).
     """
 
+    @abc.abstractmethod
     def stream(
         self,
         seqs: Sequence[Sequence[int]],
@@ -60,7 +62,6 @@ class MicroBatchLoops:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The stream of `seqs` packed into one forward, with gradients (L-1 entries per
         sequence of length L); with_entropy, also the per-token entropy stream."""
-        raise NotImplementedError
 
     def forward(
         self,

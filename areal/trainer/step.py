@@ -41,7 +41,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -372,7 +372,15 @@ def prepare(
     value_clip: float | None = None,
 ) -> StepBatch:
     """0-3) The batch made ready for ppo_update: this rank's shard, the proximal, reference
-    and value passes, the advantages, the masks. The arguments are train_step's."""
+    and value passes, the advantages, the masks.
+
+    Every rank passes the same batch; only this rank's sequences (batch_split) need their
+    tokens, the others may be TrajectoryRefs (the pull data plane). `version` (the trainer's,
+    before this step) enables the check of fresh tokens' log-probs (train/fresh_*). `ref`:
+    the frozen reference policy (ppo.kl_coef > 0); `max_new_tokens`:
+    rollout.max_new_tokens (ppo.overlong_penalty); `critic`: the value model of
+    ppo.adv_estimator=gae, updated once per minibatch with critic.value_clip `value_clip`.
+    """
     dp = dp or DataParallel()
     if (ppo.adv_estimator == "gae") != (critic is not None):
         raise ValueError("ppo.adv_estimator=gae and a critic go together: pass both or neither")
@@ -450,34 +458,13 @@ def train_step(
     backend: TrainerBackend,
     trajs: Sequence[Trajectory | TrajectoryRef],
     *,
-    ppo: PPOConfig,
-    max_tokens_per_mb: int,
-    min_n_mbs: int = 1,
-    seed: int = 0,
-    dp: DataParallel | None = None,
-    version: int | None = None,
-    ref: TrainerBackend | None = None,
-    max_new_tokens: int | None = None,
     critic: TorchCritic | None = None,
-    value_clip: float | None = None,
+    **step_args: Any,
 ) -> dict[str, float]:
-    """One PPO training step on the whole batch (prepare, then ppo_update); with dp, on
-    this rank's share of it.
-
-    Every rank passes the same batch; only this rank's sequences (batch_split) need their
-    tokens, the others may be TrajectoryRefs (the pull data plane). The returned
-    statistics are of the whole batch and the same on every rank. `version` (the trainer's,
-    before this step) enables the check of fresh tokens' log-probs (train/fresh_*). `ref`:
-    the frozen reference policy (ppo.kl_coef > 0); `max_new_tokens`:
-    rollout.max_new_tokens (ppo.overlong_penalty); `critic`: the value model of
-    ppo.adv_estimator=gae, updated once per minibatch with critic.value_clip `value_clip`.
-    """
-    batch = prepare(
-        backend, trajs, ppo=ppo, max_tokens_per_mb=max_tokens_per_mb, min_n_mbs=min_n_mbs,
-        seed=seed, dp=dp, version=version, ref=ref, max_new_tokens=max_new_tokens,
-        critic=critic, value_clip=value_clip,
-    )  # fmt: skip
-    return ppo_update(backend, batch, critic)
+    """One PPO training step on the whole batch: prepare (its keyword arguments), then
+    ppo_update; with dp, on this rank's share of it. The returned statistics are of the
+    whole batch and the same on every rank."""
+    return ppo_update(backend, prepare(backend, trajs, critic=critic, **step_args), critic)
 
 
 def _statistics(
