@@ -146,6 +146,16 @@ class Section:
         if value not in choices:
             self._fail(name, f"must be one of {', '.join(choices)}; got {value!r}")
 
+    def to_dict(self) -> dict[str, Any]:
+        """This config as a nested dict of plain YAML-able values."""
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write this config as YAML that `load` reads back to an equal config."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
+
 
 # ---- keys ----------------------------------------------------------------------------------
 
@@ -303,16 +313,9 @@ def load(root: type[T], path: str | None = None, overrides: Iterable[str] = ()) 
     return build(root, data)
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """A config as a nested dict of plain YAML-able values."""
-    return dataclasses.asdict(cfg)
-
-
-def save(cfg: Any, path: str | Path) -> None:
-    """Write a config as YAML that `load` reads back to an equal config."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None))
+# The config's own (Section's methods), also spelt as functions: to_dict(cfg), save(cfg, path).
+to_dict = Section.to_dict
+save = Section.save
 
 
 # ---- documentation -------------------------------------------------------------------------

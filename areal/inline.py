@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal.comm.inproc import BlockingRpc, InProcessRpc
 from areal.comm.wire import unpack
-from areal.config import ConfigError, ExperimentConfig, from_dict, load_config, save_config
+from areal.config import ConfigError, ExperimentConfig, from_dict, load_config
 
 if TYPE_CHECKING:
     import torch
@@ -91,12 +91,12 @@ async def _start_roles(
     episodes: _Episodes,
 ) -> None:
     """Build reward service, rollout workers and controller on this loop, as
-    areal/worker.py and controller.run_controller do, and start admitting."""
-    from areal.controller.controller import Controller
+    areal/worker.py's roles and run_controller do, and start admitting."""
     from areal.controller.failures import NoProgress
     from areal.reward.service import RewardService
     from areal.rollout.engine_client import EngineClient
     from areal.rollout.worker import RolloutWorker
+    from areal.worker import make_controller
 
     inf = cfg.inference
     reward = RewardService(cfg.reward, episodes.tasks)
@@ -119,7 +119,7 @@ async def _start_roles(
     ]
     reward_rpc = InProcessRpc({"grade": reward.grade, "stats": reward.stats}, "reward0")
     # One process: every object shares the tokens already, there is nothing to pull.
-    controller = Controller(
+    controller = make_controller(
         cfg, rows, tokenizer, worker_rpcs, reward_rpc, episodes.workflow, data_plane="relay"
     )
     if resume_from is not None:
@@ -461,7 +461,9 @@ def _ready_dir(cfg: ExperimentConfig, resume_from: Checkpoint | None) -> None:
 
     exp = cfg.exp_dir
     if resume_from is None and any((exp / n).exists() for n in ("metrics.jsonl", "checkpoints")):
-        claim(cfg)  # a different config: ConfigError; overwrite=true: moved aside
+        # A different config: ConfigError; overwrite=true: moved aside.
+        overwrite, cfg.overwrite = cfg.overwrite, False
+        cfg.resume = claim(exp, cfg.to_dict(), resume=cfg.resume, overwrite=overwrite)
         if cfg.resume:
             raise ConfigError(
                 f"{exp} holds a run of this config: give a new trial_name=NAME or "
@@ -471,7 +473,7 @@ def _ready_dir(cfg: ExperimentConfig, resume_from: Checkpoint | None) -> None:
     (exp / "logs").mkdir(parents=True, exist_ok=True)
     shutil.rmtree(exp / "weights", ignore_errors=True)  # no version of another run
     if not (exp / "config.yaml").exists():
-        save_config(cfg, exp / "config.yaml")
+        cfg.save(exp / "config.yaml")
 
 
 def _add_engines(run: Run, model: Any, tokenizer: Any, resume_from: Checkpoint | None) -> None:
@@ -508,7 +510,7 @@ def _make_trainer(run: Run, model: torch.nn.Module | None, tokenizer: Any) -> Tr
     """The one trainer rank, on the caller's thread: over the model object given, or the
     backend trainer.backend builds from model.path; its controller the roles' one."""
     from areal.trainer.parallel import DataParallel
-    from areal.trainer.worker import make_trainer
+    from areal.worker import make_trainer, n_updates
 
     backend = None
     if model is not None:
@@ -519,7 +521,7 @@ def _make_trainer(run: Run, model: torch.nn.Module | None, tokenizer: Any) -> Tr
         backend = TorchBackend(
             model,
             tokenizer=tokenizer,
-            optimizer=OptimizerSpec.for_policy(cfg),
+            optimizer=OptimizerSpec.for_policy(cfg.trainer, n_updates(cfg)),
             dtype=cfg.model.dtype,
             temperature=cfg.rollout.temperature,
         )

@@ -2,7 +2,7 @@
 ConfigError naming the key and what to do.
 
     train.py --check_model_dir(model.path)--> config.json, tokenizer, chat template, weights
-             --check_disk(cfg, model.path)--> room under fileroot for checkpoints and weights
+             --check_disk(fileroot, model.path)--> room under fileroot for checkpoints and weights
 
 Only files are read (JSON, and the header of each safetensors file): nothing heavy is
 imported, so a wrong directory is reported in well under a second, not after every role
@@ -17,7 +17,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from areal.config import ConfigError, ExperimentConfig
+from areal.config import ConfigError
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _FLOAT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
@@ -131,26 +131,27 @@ def n_params(model: Path) -> int:
     return total
 
 
-def checkpoint_bytes(cfg: ExperimentConfig, params: int) -> int:
+def checkpoint_bytes(params: int, save_dtype: str, lora: bool) -> int:
     """What a run writes at its peak: two checkpoints (the new one beside the last while it
     is saved) of the model and fp32 Adam's two moments, and two published versions. A
     LoRA run's adapters are small: its checkpoints are counted as the published weights."""
-    model = params * _DTYPE_BYTES.get(cfg.trainer.save_dtype, 4)
-    if cfg.model.lora.enabled:
+    model = params * _DTYPE_BYTES.get(save_dtype, 4)
+    if lora:
         return 2 * model  # the base is not saved; a generous bound for the adapters
     return 2 * (model + params * 8) + 2 * model
 
 
-def check_disk(cfg: ExperimentConfig, model_path: str) -> None:
-    """Enough free space under fileroot for the run's checkpoints and weights."""
-    need = checkpoint_bytes(cfg, n_params(Path(model_path)))
-    root = Path(cfg.fileroot).resolve()
+def check_disk(fileroot: str, model_path: str, *, save_dtype: str, lora: bool) -> None:
+    """Enough free space under fileroot for the run's checkpoints and weights
+    (trainer.save_dtype; model.lora's adapters are small)."""
+    need = checkpoint_bytes(n_params(Path(model_path)), save_dtype, lora)
+    root = Path(fileroot).resolve()
     while not root.exists():  # the directory is made later; its volume is the parent's
         root = root.parent
     free = shutil.disk_usage(root).free
     if free < need:
         raise ConfigError(
-            f"fileroot={cfg.fileroot!r} has {free / 2**30:.1f} GiB free, and this run's "
+            f"fileroot={fileroot!r} has {free / 2**30:.1f} GiB free, and this run's "
             f"checkpoints and weights need about {need / 2**30:.1f} GiB (two checkpoints of "
             "the model and its Adam state, two published versions): free space there, or "
             "point fileroot at a larger volume"

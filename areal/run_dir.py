@@ -1,6 +1,6 @@
 """An experiment directory is never overwritten without the user's word.
 
-    python -m areal.train ... --> claim(cfg)
+    python -m areal.train ... --> claim(exp_dir, the config as a dict, resume, overwrite)
         {exp_dir} holds no run             -> start afresh
         resume=true                        -> resume it (train.py)
         overwrite=true                     -> move it aside to {exp_dir}.old-<time>, start afresh
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from areal.config import ConfigError, ExperimentConfig, to_dict
+from areal.config import ConfigError
 
 IGNORED = ("resume", "overwrite")
 """Keys that say how to start, not what the run is."""
@@ -41,13 +41,13 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def differences(saved: dict[str, Any], cfg: ExperimentConfig) -> list[str]:
+def differences(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
     """`key: old -> new` for every key whose value differs (the starting keys aside)."""
     # Through YAML, as config.yaml was written: tuples become lists, floats print alike.
-    new = _flat(yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False)))
+    new = _flat(yaml.safe_load(yaml.safe_dump(config, sort_keys=False)))
     old = _flat(saved)
     saved_model = str(old.get("model.path", ""))
-    if not cfg.model.path and Path(saved_model).name.startswith("tiny-"):
+    if not new.get("model.path") and Path(saved_model).name.startswith("tiny-"):
         # The saved config names the tiny model it resolved; the tiny_* keys are compared.
         new["model.path"] = saved_model
     return [
@@ -68,29 +68,28 @@ def aside_name(exp: Path) -> Path:
     return target
 
 
-def claim(cfg: ExperimentConfig) -> None:
-    """Decide how to start in cfg.exp_dir (see the module's table); may set cfg.resume."""
-    exp = cfg.exp_dir
-    overwrite, cfg.overwrite = cfg.overwrite, False  # done once: recoveries resume
-    if cfg.resume or not holds_run(exp):
-        return
+def claim(exp: Path, config: dict[str, Any], *, resume: bool, overwrite: bool) -> bool:
+    """Decide how to start in `exp` for the run of `config` (the config as a dict; see the
+    module's table); whether to resume. The caller sets overwrite=false: done once, a
+    recovery resumes."""
+    if resume or not holds_run(exp):
+        return resume
     if overwrite:
         target = aside_name(exp)
         exp.rename(target)
         print(f"areal: overwrite=true: moved the run that was in {exp} to {target}")
-        return
+        return False
     try:
         saved = yaml.safe_load((exp / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
         saved = None
-    diff = differences(saved, cfg) if isinstance(saved, dict) else ["(no readable config.yaml)"]
+    diff = differences(saved, config) if isinstance(saved, dict) else ["(no readable config.yaml)"]
     if not diff:
-        cfg.resume = True
         print(
             f"areal: {exp} holds a run with this same config: resuming it "
             "(a new trial_name=NAME starts another run beside it)"
         )
-        return
+        return True
     shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
     raise ConfigError(
         f"{exp} holds another run (its config differs: {shown}). Nothing was changed. To go "

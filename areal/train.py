@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from areal.config import ConfigError, ExperimentConfig, load_config, save_config
+from areal.config import ConfigError, ExperimentConfig, load_config
 from areal.process import exit_now
 
 if TYPE_CHECKING:
@@ -42,8 +42,9 @@ def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Check
 
     task = _check_inputs(cfg)
     exp = cfg.exp_dir
-    if not recovering:
-        claim(cfg)  # a run there is resumed, moved aside (overwrite=true) or refused
+    if not recovering:  # a run there is resumed, moved aside (overwrite=true) or refused
+        overwrite, cfg.overwrite = cfg.overwrite, False  # done once: recoveries resume
+        cfg.resume = claim(exp, cfg.to_dict(), resume=cfg.resume, overwrite=overwrite)
     exp.mkdir(parents=True, exist_ok=True)
     ckpt = latest(exp) if cfg.resume else None
     if ckpt is not None and ckpt.version >= cfg.total_train_steps and not recovering:
@@ -55,8 +56,10 @@ def prepare_experiment(cfg: ExperimentConfig, recovering: bool = False) -> Check
     if not cfg.model.path:
         cfg.model.path = str(_tiny_model(cfg, task))
     check_model_dir(cfg.model.path)
-    check_disk(cfg, cfg.model.path)
-    save_config(cfg, exp / "config.yaml")
+    check_disk(
+        cfg.fileroot, cfg.model.path, save_dtype=cfg.trainer.save_dtype, lora=cfg.model.lora.enabled
+    )
+    cfg.save(exp / "config.yaml")
     return ckpt
 
 
@@ -167,10 +170,19 @@ def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | list[RayNode] | 
     """The placement of `cfg` (and where: the SLURM allocation, or the Ray nodes); sets
     rollout.n_servers and trainer.parallel.dp to what it placed."""
     alloc = None
+    # The sections placement reads, handed on (make_plan; the launchers' plan_sections).
+    sections = dict(
+        launcher=cfg.launcher,
+        inference=cfg.inference,
+        n_servers=cfg.rollout.n_servers,
+        parallel=cfg.trainer.parallel,
+        exp_dir=cfg.exp_dir,
+        max_staleness=cfg.max_staleness,
+    )
     if cfg.launcher.type in ("local", "inline"):  # inline: one process, as local plans it
-        from areal.launcher.local import LocalLauncher
+        from areal.launcher.local import local_plan
 
-        plan = LocalLauncher(cfg).plan
+        plan = local_plan(cfg.launcher.gpus_per_node or 0, **sections)
     elif cfg.launcher.type == "ray":
         from areal.launcher.ray import plan_on_ray
 
@@ -190,7 +202,9 @@ def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | list[RayNode] | 
                     "a dry run outside a SLURM allocation needs the cluster's size: add "
                     "--nodes N --gpus-per-node G (or launcher.nodes / launcher.gpus_per_node)"
                 )
-            plan = make_plan(cfg, [f"node{i}" for i in range(lc.nodes)], lc.gpus_per_node or 0)
+            plan = make_plan(
+                [f"node{i}" for i in range(lc.nodes)], lc.gpus_per_node or 0, **sections
+            )
     if plan.n_servers != cfg.rollout.n_servers:
         # With GPUs the servers are counted by the placement, not by the config.
         print(
@@ -243,7 +257,8 @@ def setup_lines(cfg: ExperimentConfig) -> list[str]:
         ref = cfg.ref_model.path or "the policy's initial weights"
         lines.append(f"reference model on: {ref} (ppo.kl_coef={cfg.ppo.kl_coef:g})")
     if cfg.ppo.adv_estimator == "gae":
-        critic, opt = cfg.critic, OptimizerSpec.for_critic(cfg)
+        n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches  # as areal/worker.py's
+        critic, opt = cfg.critic, OptimizerSpec.for_critic(cfg.trainer, cfg.critic, n_updates)
         clip = "off" if critic.value_clip is None else f"{critic.value_clip:g}"
         lines.append(
             f"critic on: {critic.path or 'the policy initial weights'} + a value head, "

@@ -69,6 +69,7 @@ def trainer_rank(
     from areal.trainer.parallel import init_data_parallel
     from areal.trainer.worker import batch_trajectories, staleness
     from areal.trajectory import TrajectoryRef
+    from areal.worker import step_plan
 
     cfg = load_config(str(exp_dir / "config.yaml"))
     key = load_key(exp_dir)
@@ -90,7 +91,7 @@ def trainer_rank(
         received = dp.broadcast_object(reply_bytes)  # relay: what every rank receives
         pulled_before = puller.bytes_in
         if pull:
-            trajs, _ = batch_trajectories(cfg, reply, version, dp, puller)
+            trajs, _ = batch_trajectories(step_plan(cfg), reply, version, dp, puller)
         else:
             trajs = [TrajectoryRef.from_wire(d) for d in reply["trajectories"]]
         if puller.bytes_in > pulled_before:

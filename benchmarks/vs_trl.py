@@ -50,7 +50,7 @@ requests made from the run's task prompts and tokenizer (chat template), tempera
 each generating exactly its answer's length in the run (ignore_eos; TRL logs a step's mean
 length only, so its answers are all that long), all submitted at once; training by areal's
 trainer alone on that batch: make_backend and train_step with the trainer's own arguments
-for the run's config (trainer/worker.py's _step_args; with one minibatch and no
+for the run's config (trainer/worker.py's StepPlan.prepare_args; with one minibatch and no
 behaviour-weight cap the update's forward gives the proximal log-probs, so there is no
 separate proximal pass), mb_spec max_tokens_per_mb=8192. Core-seconds are the process's
 CPU time; medians over those steps. Limit tok/s = completion tokens per step / ((gen +
@@ -292,11 +292,10 @@ def limit_worker(model: str, geo: Geometry, lengths_file: str, dtype: str, data:
     from areal.data.dataset import load_rows, tokenize_rows
     from areal.rollout.engine import DecodeEngine, SamplingParams
     from areal.tasks import load_task
-    from areal.trainer.factory import make_backend
     from areal.trainer.parallel import DataParallel
     from areal.trainer.step import train_step
-    from areal.trainer.worker import _step_args
     from areal.trajectory import Trajectory
+    from areal.worker import make_backend, step_plan
 
     torch.set_num_threads(1)
     lengths = json.loads(Path(lengths_file).read_text())
@@ -339,7 +338,7 @@ def limit_worker(model: str, geo: Geometry, lengths_file: str, dtype: str, data:
                 )
             )  # fmt: skip
         c2 = time.process_time()
-        train_step(backend, trajs, dp=dp, **_step_args(cfg, step))
+        train_step(backend, trajs, dp=dp, **step_plan(cfg).prepare_args(step))
         c3 = time.process_time()
         if step:
             gen_s.append(c1 - c0)

@@ -40,24 +40,20 @@ import asyncio
 import functools
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from areal.checkpoint import Checkpoint
-from areal.comm.registry import Registry
 from areal.comm.rpc import RpcClient, RpcServer
-from areal.comm.wire import pack, unpack
-from areal.config import ExperimentConfig
+from areal.comm.wire import pack
+from areal.config import RolloutConfig
 from areal.controller.buffer import ReplayBuffer
 from areal.controller.draws import Draws
-from areal.controller.failures import FailureWatch, NoProgress
+from areal.controller.failures import FailureWatch
 from areal.controller.pool import WorkerPool
 from areal.controller.staleness import StalenessGate
 from areal.data_plane import TrajectoryStore
 from areal.process import RESTARTS_ENV
-from areal.rollout.backends import load_backend
 from areal.trajectory import Trajectory, TrajectoryRef
 from areal.workflow import EpisodeError, EpisodeRunner, RolloutEngine, Workflow, load_workflow
 
@@ -70,43 +66,52 @@ log = logging.getLogger("areal.controller")
 class Controller:
     def __init__(
         self,
-        cfg: ExperimentConfig,
         rows: list[dict],
         tokenizer: PreTrainedTokenizerBase,
         workers: list[RpcClient],
         reward: RpcClient | None,
         workflow: Workflow | None = None,
         data_plane: str | None = None,
+        *,
+        rollout: RolloutConfig,
+        batch_size: int,
+        max_staleness: int,
+        seed: int,
+        exp_dir: Path,
+        ranks_per_server: int,
+        dynamic_sampling: bool,
     ):
-        self.cfg = cfg
-        self.data_plane = data_plane or cfg.rollout.data_plane
+        """What it reads of the config is given to it (areal/worker.py's make_controller
+        builds one from a config): the rollout section, trainer.batch_size, max_staleness,
+        seed, the experiment directory, the weight-update group's ranks per server and
+        ppo.dynamic_sampling."""
+        self.rollout = rollout
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.dynamic_sampling = dynamic_sampling
+        self.data_plane = data_plane or rollout.data_plane
         """pull | relay (rollout.data_plane; the inline run passes relay: one process)."""
         self.store = TrajectoryStore("controller0")
         """With pull: the holder of trajectories made here (agents), from get_batch on;
-        run_controller sets its address."""
+        areal/worker.py's run_controller sets its address."""
         self._handed_out: list[TrajectoryRef] = []  # the last batch, released at the next
         self.server: RpcServer | None = None
-        """Its RPC server (run_controller's), for the bytes it moved."""
+        """Its RPC server (areal/worker.py's run_controller's), for the bytes it moved."""
         self._bytes_moved = 0
         self._admit_to_buffer_s: list[float] = []  # per group buffered since the last batch
-        self.workflow = workflow or load_workflow(cfg.rollout.workflow, cfg.rollout)
+        self.workflow = workflow or load_workflow(rollout.workflow, rollout)
         assert isinstance(self.workflow, Workflow), "workflows subclass areal.workflow.Workflow"
-        self.episodes = EpisodeRunner(self.workflow, cfg.rollout.episode_timeout_s)
-        self.failures = FailureWatch(
-            cfg.rollout.max_consecutive_failures, cfg.rollout.failure_window_s
-        )
+        self.episodes = EpisodeRunner(self.workflow, rollout.episode_timeout_s)
+        self.failures = FailureWatch(rollout.max_consecutive_failures, rollout.failure_window_s)
         self.no_progress: str | None = None
         """The report once episodes only fail (run_controller then raises NoProgress)."""
         self.stalled = asyncio.Event()
         self.rows = rows
         self.tokenizer = tokenizer
         self.reward = reward
-        ranks = load_backend(cfg.inference.backend).group_ranks(cfg)
-        self.pool = WorkerPool(workers, cfg.exp_dir, ranks_per_server=ranks)
-        self.draws = Draws(rows, cfg.seed)
-        self.gate = StalenessGate(
-            cfg.trainer.batch_size, cfg.max_staleness, cfg.rollout.max_concurrent
-        )
+        self.pool = WorkerPool(workers, exp_dir, ranks_per_server=ranks_per_server)
+        self.draws = Draws(rows, seed)
+        self.gate = StalenessGate(batch_size, max_staleness, rollout.max_concurrent)
         self.buffer = ReplayBuffer()
         self.changed = asyncio.Condition()
         """Notified whenever the gate, the buffer or the draws change."""
@@ -120,10 +125,10 @@ class Controller:
         self.restarts = int(os.environ.get(RESTARTS_ENV, "0"))
         """How many times the launcher restarted this run from a checkpoint (recovery)."""
         self.sampling = {
-            "max_new_tokens": cfg.rollout.max_new_tokens,
-            "temperature": cfg.rollout.temperature,
-            "top_p": cfg.rollout.top_p,
-            "top_k": cfg.rollout.top_k,
+            "max_new_tokens": rollout.max_new_tokens,
+            "temperature": rollout.temperature,
+            "top_p": rollout.top_p,
+            "top_k": rollout.top_k,
         }
 
     # ---- admission: the controller's loop ----------------------------------------------
@@ -158,7 +163,7 @@ class Controller:
     ) -> list[Trajectory | TrajectoryRef] | None:
         engine = RolloutEngine(
             tokenizer=self.tokenizer,
-            group_size=self.cfg.rollout.group_size,
+            group_size=self.rollout.group_size,
             sampling_params=self.sampling,
             group_id=group_id,
             start_version=start_version,
@@ -216,14 +221,14 @@ class Controller:
         everywhere and teaches nothing; it frees its place in the gate (the staleness bound
         is unchanged) and another prompt is generated. Drops with no group kept in between
         end the run once they pass a bound, rather than generating forever."""
-        if not self.cfg.ppo.dynamic_sampling or not trajs or len(trajs) < 2:
+        if not self.dynamic_sampling or not trajs or len(trajs) < 2:
             return False
         if len({t.reward for t in trajs}) > 1:
             self._dropped_in_a_row = 0
             return False
         self._dropped += 1
         self._dropped_in_a_row += 1
-        limit = max(100, 10 * self.cfg.trainer.batch_size)
+        limit = max(100, 10 * self.batch_size)
         if self._dropped_in_a_row >= limit and self.no_progress is None:
             self.no_progress = (
                 f"dynamic sampling dropped {self._dropped_in_a_row} groups in a row: every "
@@ -246,7 +251,7 @@ class Controller:
 
         def ready() -> bool:
             nonlocal batch
-            batch = self.buffer.take(version, self.cfg.trainer.batch_size, self.cfg.max_staleness)
+            batch = self.buffer.take(version, self.batch_size, self.max_staleness)
             return batch is not None
 
         async with self.changed:
@@ -377,76 +382,14 @@ class Controller:
         self.buffer.load_state_dict(state["buffer"])
         # Rebuilt from the version, never carried over: in-flight groups were lost.
         self.gate = StalenessGate(
-            self.cfg.trainer.batch_size,
-            self.cfg.max_staleness,
-            self.cfg.rollout.max_concurrent,
+            self.batch_size,
+            self.max_staleness,
+            self.rollout.max_concurrent,
             version=version,
-            n_accepted=self.cfg.trainer.batch_size * version + len(self.buffer),
+            n_accepted=self.batch_size * version + len(self.buffer),
         )
 
     async def save_state(self, path: str) -> dict:
         """Write the controller's part of a checkpoint (the trainer commits it)."""
         Path(path).write_bytes(pack(self.state_dict()))
         return {}
-
-
-async def run_controller(
-    cfg: ExperimentConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: list[dict],
-    key: bytes,
-    resume_from: Checkpoint | None = None,
-) -> None:
-    registry = Registry(cfg.exp_dir)
-    # Rollout workers register once their server is healthy, which can take minutes.
-    wait_s = cfg.inference.startup_timeout_s + 60
-    addresses = registry.lookup_all("rollout", cfg.rollout.n_servers, timeout=wait_s)
-    workers = [RpcClient(a, key) for a in addresses]
-    reward = RpcClient(registry.lookup("reward", 0, timeout=wait_s), key)
-    controller = Controller(cfg, rows, tokenizer, workers, reward)
-    if resume_from is not None:
-        controller.load_state_dict(
-            unpack(resume_from.controller_state.read_bytes()), resume_from.version
-        )
-        log.info(
-            "resumed at version %d with %d ready groups",
-            resume_from.version,
-            len(controller.buffer),
-        )
-    server = RpcServer(key)
-    server.register("get_batch", controller.get_batch)
-    server.register("weights_ready", controller.weights_ready)
-    server.register("save_state", controller.save_state)
-    controller.server = server
-    controller.store.address = server.address
-    for name in controller.store.RPC_METHODS:
-        server.register(name, getattr(controller.store, name))
-    serve = asyncio.create_task(server.serve())
-    registry.register("controller", 0, server.address)
-    admit = asyncio.create_task(controller.admit_loop())
-    # The run ends when the trainer has finished and the launcher stops us.
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    stopped = asyncio.create_task(stop.wait())
-    stalled = asyncio.create_task(controller.stalled.wait())
-    try:
-        done, _ = await asyncio.wait(
-            {serve, admit, stopped, stalled}, return_when=asyncio.FIRST_COMPLETED
-        )
-        if stalled in done:
-            raise NoProgress(controller.no_progress)
-        if stopped not in done:  # a loop that ends by itself is a failure: surface it
-            for t in done:
-                t.result()
-            raise RuntimeError("a controller loop ended unexpectedly")
-    finally:
-        admit.cancel()
-        stopped.cancel()
-        stalled.cancel()
-        server.close()
-        await asyncio.gather(serve, admit, stopped, stalled, return_exceptions=True)
-        controller.pool.close()
-        for c in [*workers, reward]:
-            c.close()
-        await controller.workflow.aclose()

@@ -19,15 +19,18 @@ import socket
 from areal.comm.net import free_port
 from areal.config import ExperimentConfig
 from areal.launcher.base import Launcher
-from areal.launcher.plan import Step, make_plan
+from areal.launcher.plan import Plan, Step, make_plan, plan_sections
+
+
+def local_plan(gpus_per_node: int, **sections) -> Plan:
+    """The plan on this host (make_plan's sections: plan.plan_sections)."""
+    host = socket.gethostname()
+    return make_plan([host], gpus_per_node, {host: "127.0.0.1"}, free_port(), **sections)
 
 
 class LocalLauncher(Launcher):
     def __init__(self, cfg: ExperimentConfig):
-        host = socket.gethostname()
-        gpus = cfg.launcher.gpus_per_node or 0
-        plan = make_plan(cfg, [host], gpus, {host: "127.0.0.1"}, free_port())
-        super().__init__(cfg, plan)
+        super().__init__(cfg, local_plan(cfg.launcher.gpus_per_node or 0, **plan_sections(cfg)))
 
     def command(self, step: Step, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
         env = {}

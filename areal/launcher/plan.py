@@ -17,8 +17,15 @@ workstation), the trainer ranks share those GPUs with the server (Step.colocated
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from areal.config import ConfigError, ExperimentConfig
+from areal.config import (
+    ConfigError,
+    ExperimentConfig,
+    InferenceConfig,
+    LauncherConfig,
+    ParallelConfig,
+)
 from areal.cores import CPU_GRADING_ENV, CPU_LEDGER_ENV, CPU_SHARE_ENV, CPU_SLOT_ENV, ledger_path
 from areal.rollout.backends import load_backend
 
@@ -97,27 +104,39 @@ class Plan:
 
 
 def make_plan(
-    cfg: ExperimentConfig,
     nodes: list[str],
     gpus_per_node: int,
     addresses: dict[str, str] | None = None,
     master_port: int = 29500,
+    *,
+    launcher: LauncherConfig,
+    inference: InferenceConfig,
+    n_servers: int,
+    parallel: ParallelConfig,
+    exp_dir: Path,
+    max_staleness: int,
 ) -> Plan:
-    """Place every role of `cfg` on `nodes`; addresses maps node -> reachable address."""
+    """Place every role of the run on `nodes` (n_servers inference servers of
+    inference.tp_size GPUs, the trainer ranks of trainer.parallel); addresses maps node ->
+    reachable address. The launchers pass a config's sections: plan_sections(cfg)."""
     if not nodes:
         raise ConfigError("no nodes to place the run on: launcher.nodes must be >= 1")
     addresses = addresses or {}
     if gpus_per_node:
-        inference, trainers, n_inf, n_train = _gpu_split(cfg, nodes, gpus_per_node)
+        servers, trainers, n_inf, n_train = _gpu_split(
+            inference.tp_size, launcher.inference_fraction, parallel, nodes, gpus_per_node
+        )
     else:
-        inference, trainers = _cpu_split(cfg, nodes)
+        servers, trainers = _cpu_split(
+            launcher.inference_fraction, n_servers, parallel.world_size, nodes
+        )
         n_inf = n_train = 0
     # CPU servers and trainer ranks split their node's cores (a GPU step computes on its GPU).
-    sharing = [node for node, gpus, _ in (*inference, *trainers) if not gpus]
+    sharing = [node for node, gpus, _ in (*servers, *trainers) if not gpus]
     training = [node for node, gpus, _ in trainers if not gpus]
     # A waiting role lends its share to those with work (areal/cores.py). A server whose
     # threads are its own (vLLM's) cannot, so beside it the split stays fixed.
-    lend = cfg.launcher.lend_idle_cores and load_backend(cfg.inference.backend).lends_cores
+    lend = launcher.lend_idle_cores and load_backend(inference.backend).lends_cores
     slots: dict[str, int] = {}
 
     def share(node: str, gpus: int, among: list[str]) -> dict[str, str]:
@@ -125,22 +144,22 @@ def make_plan(
             return {}
         env = {CPU_SHARE_ENV: str(among.count(node))}
         if lend:
-            env[CPU_LEDGER_ENV] = ledger_path(cfg.exp_dir)
+            env[CPU_LEDGER_ENV] = ledger_path(exp_dir)
             env[CPU_SLOT_ENV] = str(slots.setdefault(node, 0))
             slots[node] += 1
         return env
 
     steps: list[Step] = []
-    for k, (node, gpus, first) in enumerate(inference):
+    for k, (node, gpus, first) in enumerate(servers):
         steps.append(Step("server", k, node, gpus, _ids(gpus, first), share(node, gpus, sharing)))
     # Service roles share the first node's CPUs; each rollout worker sits beside its server.
     # Beside lending roles, the reward service says in the ledger what its grading uses.
     grading = {}
     if lend and nodes[0] in sharing:
-        grading = {CPU_LEDGER_ENV: ledger_path(cfg.exp_dir)}
+        grading = {CPU_LEDGER_ENV: ledger_path(exp_dir)}
         grading[CPU_GRADING_ENV] = str(sharing.count(nodes[0]))
     steps.append(Step("reward", 0, nodes[0], env=grading))
-    for k, (node, *_) in enumerate(inference):
+    for k, (node, *_) in enumerate(servers):
         steps.append(Step("rollout", k, node))
     steps.append(Step("controller", 0, nodes[0]))
     master = addresses.get(trainers[0][0], trainers[0][0])
@@ -155,7 +174,7 @@ def make_plan(
             "MASTER_PORT": str(master_port),
             # Without lending, at max_staleness=0 the servers wait for every version while the
             # trainer trains, so its ranks split the cores among themselves alone.
-            **share(node, gpus, training if cfg.max_staleness == 0 and not lend else sharing),
+            **share(node, gpus, training if max_staleness == 0 and not lend else sharing),
         }
         steps.append(Step("trainer", rank, node, gpus, _ids(gpus, first), env, colocated))
     return Plan(nodes, gpus_per_node, n_inf, n_train, steps)
@@ -165,8 +184,13 @@ def _ids(gpus: int, first: int) -> tuple[int, ...]:
     return tuple(range(first, first + gpus))
 
 
-def _gpu_split(cfg: ExperimentConfig, nodes: list[str], gpus_per_node: int):
-    tp = cfg.inference.tp_size
+def _gpu_split(
+    tp: int,
+    inference_fraction: float,
+    parallel: ParallelConfig,
+    nodes: list[str],
+    gpus_per_node: int,
+):
     if gpus_per_node % tp:
         raise ConfigError(
             f"inference.tp_size={tp} does not divide the {gpus_per_node} GPUs of a node: "
@@ -175,10 +199,10 @@ def _gpu_split(cfg: ExperimentConfig, nodes: list[str], gpus_per_node: int):
     total = len(nodes) * gpus_per_node
     if total == tp:
         # One server's GPUs and nothing else: its GPUs train too, one trainer rank each.
-        _check_replicas(cfg, tp)
+        _check_replicas(parallel, tp)
         return [(nodes[0], tp, 0)], [(nodes[0], 1, g) for g in range(tp)], tp, tp
     # Round to whole servers, keeping at least one server and one training GPU.
-    n_inf = round(total * cfg.launcher.inference_fraction) // tp * tp
+    n_inf = round(total * inference_fraction) // tp * tp
     n_inf = min(max(n_inf, tp), (total - 1) // tp * tp)
     if n_inf < tp:
         raise ConfigError(
@@ -187,14 +211,13 @@ def _gpu_split(cfg: ExperimentConfig, nodes: list[str], gpus_per_node: int):
         )
     slots = [(node, g) for node in nodes for g in range(gpus_per_node)]
     # (node, GPUs, first GPU index on the node) of each server and each trainer rank.
-    inference = [(node, tp, g) for node, g in slots[:n_inf] if g % tp == 0]
+    servers = [(node, tp, g) for node, g in slots[:n_inf] if g % tp == 0]
     trainers = [(node, 1, g) for node, g in slots[n_inf:]]
-    _check_replicas(cfg, len(trainers))
-    return inference, trainers, n_inf, total - n_inf
+    _check_replicas(parallel, len(trainers))
+    return servers, trainers, n_inf, total - n_inf
 
 
-def _check_replicas(cfg: ExperimentConfig, training_gpus: int) -> None:
-    par = cfg.trainer.parallel
+def _check_replicas(par: ParallelConfig, training_gpus: int) -> None:
     if training_gpus % (par.tp * par.pp):
         raise ConfigError(
             f"{training_gpus} training GPUs cannot hold replicas of trainer.parallel.tp * pp = "
@@ -202,14 +225,24 @@ def _check_replicas(cfg: ExperimentConfig, training_gpus: int) -> None:
         )
 
 
-def _cpu_split(cfg: ExperimentConfig, nodes: list[str]):
+def _cpu_split(inference_fraction: float, servers: int, ranks: int, nodes: list[str]):
     if len(nodes) == 1:
         inf_nodes = train_nodes = nodes
     else:
-        n = min(max(round(len(nodes) * cfg.launcher.inference_fraction), 1), len(nodes) - 1)
+        n = min(max(round(len(nodes) * inference_fraction), 1), len(nodes) - 1)
         inf_nodes, train_nodes = nodes[:n], nodes[n:]
-    servers = cfg.rollout.n_servers
     inference = [(inf_nodes[k % len(inf_nodes)], 0, 0) for k in range(servers)]
     # tp * pp * dp trainer ranks, spread over the training nodes in turn.
-    ranks = cfg.trainer.parallel.world_size
     return inference, [(train_nodes[r % len(train_nodes)], 0, 0) for r in range(ranks)]
+
+
+def plan_sections(cfg: ExperimentConfig) -> dict:
+    """make_plan's keyword arguments from a config: the sections placement reads."""
+    return dict(
+        launcher=cfg.launcher,
+        inference=cfg.inference,
+        n_servers=cfg.rollout.n_servers,
+        parallel=cfg.trainer.parallel,
+        exp_dir=cfg.exp_dir,
+        max_staleness=cfg.max_staleness,
+    )

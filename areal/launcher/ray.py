@@ -37,7 +37,7 @@ from pathlib import Path
 from areal.comm.net import HOST_ENV
 from areal.config import ConfigError, ExperimentConfig
 from areal.launcher.base import Launcher, Proc
-from areal.launcher.plan import Plan, Step, make_plan
+from areal.launcher.plan import Plan, Step, make_plan, plan_sections
 from areal.launcher.ray_plan import (
     Placement,
     RayNode,
@@ -181,7 +181,8 @@ def wait_for_nodes(
 
 def nodes_plan(cfg: ExperimentConfig, nodes: list[RayNode], gpus: int) -> Plan:
     # MASTER_PORT is asked of trainer rank 0's actor before the steps start (RayLauncher).
-    return make_plan(cfg, [n.name for n in nodes], gpus, {n.name: n.ip for n in nodes}, 0)
+    names = [n.name for n in nodes]
+    return make_plan(names, gpus, {n.name: n.ip for n in nodes}, 0, **plan_sections(cfg))
 
 
 def plan_on_ray(cfg: ExperimentConfig) -> tuple[Plan, list[RayNode] | None]:
@@ -200,7 +201,8 @@ def plan_on_ray(cfg: ExperimentConfig) -> tuple[Plan, list[RayNode] | None]:
         if not offline:
             raise ConfigError(str(e)) from None
         print(f"areal: {e}\nareal: planning for {lc.nodes} nodes instead")
-        return make_plan(cfg, [f"node{i}" for i in range(lc.nodes)], lc.gpus_per_node or 0), None
+        names = [f"node{i}" for i in range(lc.nodes)]
+        return make_plan(names, lc.gpus_per_node or 0, **plan_sections(cfg)), None
     return nodes_plan(cfg, nodes, gpus), nodes
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from areal.comm.net import HOST_ENV
 from areal.config import ConfigError, ExperimentConfig
 from areal.launcher.base import Launcher, Proc
-from areal.launcher.plan import Plan, Step, make_plan
+from areal.launcher.plan import Plan, Step, make_plan, plan_sections
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def plan_in_allocation(cfg: ExperimentConfig, alloc: Allocation) -> Plan:
         )
     # A port per job, so that two jobs sharing a node do not rendezvous on the same one.
     master_port = 20000 + int(alloc.job_id) % 20000
-    return make_plan(cfg, alloc.nodes[:n], gpus, alloc.addresses, master_port)
+    return make_plan(alloc.nodes[:n], gpus, alloc.addresses, master_port, **plan_sections(cfg))
 
 
 STEP_START_S = 10

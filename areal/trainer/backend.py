@@ -1,6 +1,6 @@
 """The trainer backend seam: what trainer/step.py and trainer/worker.py ask of a backend.
 
-    worker.py --make_backend(cfg) (factory.py: backends/<trainer.backend>.py builds it)-->
+    areal/worker.py --make_backend(cfg) (backends/<trainer.backend>.py builds it)-->
               TorchBackend (torch_backend.py; DP only) or MegatronBackend (megatron/; TP, PP, DP)
     step.py   --forward / forward_backward / reduce_grads / optimizer_step--> the backend
     worker.py --save_hf (publish) / save_optimizer + state_dict (checkpoint)--> the backend

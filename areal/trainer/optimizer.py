@@ -2,12 +2,14 @@
 constant learning rate after a linear warm-up (paper, appendix A).
 
     trainer.{lr, weight_decay, betas, adam_eps, grad_clip, warmup_steps_ratio}
-        --OptimizerSpec.for_policy(cfg)--> the policy's backend (and the reference's, unused)
+        --OptimizerSpec.for_policy(trainer, n_updates)--> the policy's backend (and the
+                                                          reference's, unused)
     critic.{lr, weight_decay, betas, adam_eps, grad_clip}, each null one the trainer's
-        --OptimizerSpec.for_critic(cfg)--> the critic (trainer/critic.py)
+        --OptimizerSpec.for_critic(trainer, critic, n_updates)--> the critic (trainer/critic.py)
 
-The settings are read from the config here alone and reach each model as this one object
-(trainer/factory.py builds them). Imports no torch: the launcher's summary reads it too.
+The settings are read from the config's sections here alone and reach each model as this one
+object (areal/worker.py builds them); n_updates is the run's optimizer steps,
+total_train_steps * ppo.n_minibatches. Imports no torch: the launcher's summary reads it too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from areal.config import ExperimentConfig
+    from areal.config import TrainerConfig
+    from areal.trainer.ppo_config import CriticConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,10 +43,10 @@ class OptimizerSpec:
         object.__setattr__(self, "betas", tuple(self.betas))  # the config's is a list
 
     @classmethod
-    def for_policy(cls, cfg: ExperimentConfig) -> OptimizerSpec:
-        """The trainer section's optimizer; its warm-up a fraction of all optimizer steps."""
-        t = cfg.trainer
-        n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches  # one per minibatch
+    def for_policy(cls, trainer: TrainerConfig, n_updates: int) -> OptimizerSpec:
+        """The trainer section's optimizer; its warm-up a fraction of the n_updates optimizer
+        steps of the run (one per minibatch)."""
+        t = trainer
         return cls(
             lr=t.lr,
             weight_decay=t.weight_decay,
@@ -54,12 +57,14 @@ class OptimizerSpec:
         )
 
     @classmethod
-    def for_critic(cls, cfg: ExperimentConfig) -> OptimizerSpec:
+    def for_critic(
+        cls, trainer: TrainerConfig, critic: CriticConfig, n_updates: int
+    ) -> OptimizerSpec:
         """The critic section's settings, each null one the trainer's; the trainer's warm-up
         (both models step together)."""
         names = ("lr", "weight_decay", "betas", "adam_eps", "grad_clip")
-        own = {n: v for n in names if (v := getattr(cfg.critic, n)) is not None}
-        return replace(cls.for_policy(cfg), **own)
+        own = {n: v for n in names if (v := getattr(critic, n)) is not None}
+        return replace(cls.for_policy(trainer, n_updates), **own)
 
     def lr_at(self, n_steps: int) -> float:
         """The learning rate of the step after n_steps optimizer steps."""

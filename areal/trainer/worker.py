@@ -1,9 +1,9 @@
 """The trainer worker: batch in, PPO update, weights out, one line of metrics.
 
 One loop, the same on every rank of the trainer world (`train`: `Trainer.step` up to
-total_train_steps, over the objects `make_trainer` builds; areal.build's Run calls the same
-three phases from your loop); what only global rank 0 does in it (`dp.is_main`) talks to the
-controller and writes files:
+total_train_steps, over the objects areal/worker.py's `make_trainer` builds, its settings a
+StepPlan; areal.build's Run calls the same three phases from your loop); what only global
+rank 0 does in it (`dp.is_main`) talks to the controller and writes files:
 
     step: version i -> i+1, on every rank
     next_batch:
@@ -37,24 +37,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from areal import checkpoint, events, rolelog
-from areal.checkpoint import CONTROLLER_STATE, latest, load_trainer_state, save_trainer_state
-from areal.comm.registry import Registry
+from areal.checkpoint import CONTROLLER_STATE, load_trainer_state, save_trainer_state
 from areal.comm.rpc import SyncRpcClient
-from areal.config import ExperimentConfig
-from areal.cores import Cores, role_cores
+from areal.cores import Cores
 from areal.data_plane import Puller
 from areal.trainer.backend import TrainerBackend
 from areal.trainer.broadcast import WeightBroadcaster
-from areal.trainer.factory import make_backend, make_critic, make_reference
-from areal.trainer.parallel import DataParallel, init_data_parallel
+from areal.trainer.parallel import DataParallel
+from areal.trainer.ppo_config import PPOConfig
 from areal.trainer.step import StepBatch, batch_split, ppo_update, prepare
 from areal.trajectory import Trajectory, TrajectoryRef, is_ref
 from areal.weights import publish
@@ -63,6 +58,46 @@ if TYPE_CHECKING:
     from areal.trainer.critic import TorchCritic
 
 log = logging.getLogger("areal.trainer")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every step reads of the config, resolved once when the trainer is built
+    (areal/worker.py's step_plan): step.prepare's settings, where the run's files go, when
+    to save a checkpoint and when to stop."""
+
+    ppo: PPOConfig
+    max_new_tokens: int  # rollout.max_new_tokens
+    max_tokens_per_mb: int  # trainer.mb_spec
+    min_n_mbs: int
+    seed: int  # the run's; the step from version i shuffles with seed + i
+    value_clip: float | None  # critic.value_clip (ppo.adv_estimator=gae)
+    exp_dir: Path
+    total_train_steps: int
+    save_freq_steps: int  # trainer.save_freq_steps (0: off)
+    save_freq_s: float  # trainer.save_freq_s (0: off)
+    distributed: bool  # weights.transport=distributed
+
+    def prepare_args(self, version: int) -> dict:
+        """step.prepare's (train_step's) arguments for the step from `version` to
+        version + 1."""
+        return dict(
+            ppo=self.ppo,
+            max_new_tokens=self.max_new_tokens,
+            max_tokens_per_mb=self.max_tokens_per_mb,
+            min_n_mbs=self.min_n_mbs,
+            seed=self.seed + version,  # the same shuffle on every rank
+            version=version,
+            value_clip=self.value_clip,
+        )
+
+    def save_rule(self, version: int, seconds_since_save: float) -> bool:
+        """Checkpoint `version`? After the last step, every trainer.save_freq_steps, or when
+        trainer.save_freq_s passed since the last save."""
+        freq = self.save_freq_steps
+        if version == self.total_train_steps or (freq and version % freq == 0):
+            return True
+        return bool(self.save_freq_s and seconds_since_save >= self.save_freq_s)
 
 
 def staleness(trajs: list[Trajectory | TrajectoryRef], version: int) -> list[int]:
@@ -107,7 +142,7 @@ def load_trainer_part(
 
 
 def publish_weights(
-    cfg: ExperimentConfig,
+    plan: StepPlan,
     backend: TrainerBackend,
     controller: SyncRpcClient | None,
     version: int,
@@ -120,18 +155,18 @@ def publish_weights(
     if broadcaster is not None:  # global rank 0, by broadcast
         with events.span("publish", version=version):
             broadcaster.publish(controller, version, backend.hf_tensors())
-    elif cfg.weights.transport == "distributed" and backend.collective_save:
+    elif plan.distributed and backend.collective_save:
         backend.hf_tensors()  # this rank's slices, gathered to global rank 0
     elif dp.is_main:
         with events.span("publish", version=version):
-            path = publish(cfg.exp_dir, version, backend.save_hf)
+            path = publish(plan.exp_dir, version, backend.save_hf)
             controller.call("weights_ready", version=version, path=str(path))
     elif backend.collective_save:
         backend.save_hf(None)
 
 
 def save_checkpoint(
-    cfg: ExperimentConfig,
+    exp_dir: Path,
     backend: TrainerBackend,
     controller: SyncRpcClient | None,
     version: int,
@@ -147,41 +182,16 @@ def save_checkpoint(
             controller.call("save_state", path=str(directory / CONTROLLER_STATE))
 
         with events.span("checkpoint", version=version):
-            checkpoint.save(cfg.exp_dir, version, write)
+            checkpoint.save(exp_dir, version, write)
     elif backend.collective_save:
         write_trainer_part(backend, None)
 
 
-def save_rule(cfg: ExperimentConfig, version: int, seconds_since_save: float) -> bool:
-    """Checkpoint `version`? After the last step, every trainer.save_freq_steps, or when
-    trainer.save_freq_s passed since the last save."""
-    freq, freq_s = cfg.trainer.save_freq_steps, cfg.trainer.save_freq_s
-    if version == cfg.total_train_steps or (freq and version % freq == 0):
-        return True
-    return bool(freq_s and seconds_since_save >= freq_s)
-
-
-def save_due(cfg: ExperimentConfig, version: int, t_saved: float, dp: DataParallel) -> bool:
-    """save_rule on global rank 0 (its clock), the same answer on every rank: a collective
-    save needs all of them, and their clocks differ."""
-    due = save_rule(cfg, version, time.time() - t_saved) if dp.is_main else None
+def save_due(plan: StepPlan, version: int, t_saved: float, dp: DataParallel) -> bool:
+    """plan.save_rule on global rank 0 (its clock), the same answer on every rank: a
+    collective save needs all of them, and their clocks differ."""
+    due = plan.save_rule(version, time.time() - t_saved) if dp.is_main else None
     return bool(dp.broadcast_object(due))
-
-
-def run_trainer(cfg: ExperimentConfig, key: bytes, index: int = 0) -> None:
-    """One trainer rank; `index` is its rank in the trainer world (0 without parallelism)."""
-    par = cfg.trainer.parallel
-    dp = init_data_parallel(par.dp, index, par.timeout_s, model_parallel=par.tp * par.pp)
-
-    def connect() -> SyncRpcClient:
-        wait_s = cfg.inference.startup_timeout_s + 120  # the controller waits for the servers
-        address = Registry(cfg.exp_dir).lookup("controller", 0, timeout=wait_s)
-        return SyncRpcClient(address, key)
-
-    try:
-        train(make_trainer(cfg, dp, connect, key))
-    finally:
-        dp.close()
 
 
 def _get_batch(controller: SyncRpcClient | None, version: int, dp: DataParallel) -> dict:
@@ -193,7 +203,7 @@ def _get_batch(controller: SyncRpcClient | None, version: int, dp: DataParallel)
 
 
 def batch_trajectories(
-    cfg: ExperimentConfig, reply: dict, version: int, dp: DataParallel, puller: Puller
+    plan: StepPlan, reply: dict, version: int, dp: DataParallel, puller: Puller
 ) -> tuple[list[Trajectory | TrajectoryRef], dict[str, float]]:
     """The batch as step.prepare takes it, and what this rank received of it. Relay: whole
     trajectories. Pull: references, with this rank's own share (the split step.prepare
@@ -206,7 +216,7 @@ def batch_trajectories(
         return [Trajectory.from_wire(d) for d in wires], {}
     trajs: list[Trajectory | TrajectoryRef] = [TrajectoryRef.from_wire(d) for d in wires]
     seqlens = [t.n_prompt + t.n_output for t in trajs]
-    *_, mine = batch_split(seqlens, cfg.ppo.n_minibatches, _step_args(cfg, version)["seed"], dp)
+    *_, mine = batch_split(seqlens, plan.ppo.n_minibatches, plan.prepare_args(version)["seed"], dp)
     before = puller.bytes_in
     with events.span("pull", version=version, seqs=len(mine)):
         share = puller.pull([trajs[i] for i in mine]) if dp.replica_head else None
@@ -246,10 +256,10 @@ class _Pending:
 @dataclass
 class Trainer:
     """One trainer rank's built objects and the step they take together (the module doc's
-    loop body). `cfg` gives settings only (the step's arguments, where weights go, when to
+    loop body). `plan` gives settings only (the step's arguments, where weights go, when to
     save); the model, its optimizer and the controller are the objects passed in."""
 
-    cfg: ExperimentConfig
+    plan: StepPlan
     backend: TrainerBackend
     dp: DataParallel
     controller: SyncRpcClient | None  # global rank 0's; None on the other ranks
@@ -258,7 +268,7 @@ class Trainer:
     ref: TrainerBackend | None = None  # the frozen reference policy (ppo.kl_coef > 0)
     critic: TorchCritic | None = None  # the value model (ppo.adv_estimator=gae)
     version: int = 0  # completed trainer updates: the weights this rank holds
-    metrics: _Metrics | None = None  # global rank 0's metrics.jsonl and batches.jsonl
+    metrics: Metrics | None = None  # global rank 0's metrics.jsonl and batches.jsonl
     broadcaster: WeightBroadcaster | None = None  # weights.transport=distributed, rank 0
     t_saved: float = field(default_factory=time.time)
     pending: _Pending | None = None  # next_batch's, until publish
@@ -273,15 +283,15 @@ class Trainer:
         """The batch of the step from this version (the controller's, the oldest that
         max_staleness allows), this rank's share fetched and prepared (step.prepare:
         proximal log-probs, advantages, masks), ready for step.ppo_update."""
-        cfg, dp, version = self.cfg, self.dp, self.version
+        plan, dp, version = self.plan, self.dp, self.version
         self.cores.wait()  # lends its cores to the servers until its batch comes
         reply = _get_batch(self.controller, version, dp)
         self.cores.work()
-        trajs, received = batch_trajectories(cfg, reply, version, dp, self.puller)
+        trajs, received = batch_trajectories(plan, reply, version, dp, self.puller)
         t_batch = time.time()
         batch = prepare(
             self.backend, trajs, dp=dp, ref=self.ref, critic=self.critic,
-            **_step_args(cfg, version),
+            **plan.prepare_args(version),
         )  # fmt: skip
         self.pending = _Pending(batch, reply["stats"], received, t_batch)
         return batch
@@ -296,13 +306,13 @@ class Trainer:
                 "publish(batch, stats) takes the batch of the last next_batch(), once, after "
                 "ppo_update(batch) (or call step(), which does all three)"
             )
-        cfg, dp = self.cfg, self.dp
+        plan, dp = self.plan, self.dp
         stats = {**stats, **pending.received}
         t_train = time.time() - pending.t_batch
         stats["time/train_threads"] = self.cores.threads_mean()
         stale = staleness(batch.trajs, self.version)
         self.version = version = self.version + 1  # this rank holds the new version's weights
-        publish_weights(cfg, self.backend, self.controller, version, dp, self.broadcaster)
+        publish_weights(plan, self.backend, self.controller, version, dp, self.broadcaster)
         if self.broadcaster is not None:
             stats.update(self.broadcaster.stats)
         if self.metrics is not None:  # global rank 0
@@ -311,8 +321,8 @@ class Trainer:
             stats = self.metrics.write(
                 version, batch.trajs, stale, stats, pending.batch_stats, pending.t_batch, t_train
             )
-        if save_due(cfg, version, self.t_saved, dp):
-            save_checkpoint(cfg, self.backend, self.controller, version, dp, self.critic)
+        if save_due(plan, version, self.t_saved, dp):
+            save_checkpoint(plan.exp_dir, self.backend, self.controller, version, dp, self.critic)
             self.t_saved = time.time()
         return stats
 
@@ -328,52 +338,14 @@ class Trainer:
             self.broadcaster.close()
 
 
-def make_trainer(
-    cfg: ExperimentConfig,
-    dp: DataParallel,
-    connect: Callable[[], SyncRpcClient],
-    key: bytes = b"",
-    backend: TrainerBackend | None = None,
-) -> Trainer:
-    """One rank's Trainer: the backend given (a model object, areal.build), or the one
-    trainer.backend builds from model.path (resumed from the latest checkpoint with
-    cfg.resume); global rank 0 reaches the controller through connect() (an RPC client, or
-    areal/inline.py's in-process stand-in); `key` signs the pulls from the holders."""
-    torch.manual_seed(cfg.seed)
-    cores = role_cores(cfg.trainer.num_threads)
-    # Every rank loads the same weights and optimizer state, so that identical summed
-    # gradients keep them identical; rank 0 alone writes them back.
-    resume_from = latest(cfg.exp_dir) if cfg.resume else None
-    model_dir = resume_from.model_dir if resume_from else cfg.model.path
-    if backend is None:
-        backend, dp = make_backend(cfg, model_dir, dp)
-    elif resume_from is not None:
-        raise ValueError("a run resumes from its checkpoint's weights, not a model object")
-    trainer = Trainer(cfg, backend, dp, None, cores, Puller(key, cfg.exp_dir / "logs"))
-    # The reference policy stays the initial weights, a resumed run's too.
-    trainer.ref = make_reference(cfg, dp) if cfg.ppo.kl_coef > 0 else None
-    # PPO with a critic: the value model and its optimizer (a resume restores both below).
-    trainer.critic = make_critic(cfg, dp) if cfg.ppo.adv_estimator == "gae" else None
-    cores.follow(backend.model)  # borrows idle servers' cores layer by layer
-    if resume_from:
-        load_trainer_part(backend, resume_from.path, trainer.critic)
-        trainer.version = resume_from.version
-    if dp.is_main:
-        trainer.controller = connect()
-        trainer.metrics = _Metrics(cfg.exp_dir, dp)
-        if cfg.weights.transport == "distributed":
-            trainer.broadcaster = WeightBroadcaster(cfg, model_dir, trainer.version)
-    return trainer
-
-
 def train(trainer: Trainer) -> None:
     """The loop of one rank: steps up to total_train_steps, then close."""
-    while trainer.version < trainer.cfg.total_train_steps:
+    while trainer.version < trainer.plan.total_train_steps:
         trainer.step()
     trainer.close()
 
 
-class _Metrics:
+class Metrics:
     """Global rank 0's metrics.jsonl and batches.jsonl, one line each per step."""
 
     def __init__(self, exp_dir: Path, dp: DataParallel):
@@ -420,16 +392,3 @@ class _Metrics:
     def close(self) -> None:
         self.metrics.close()
         self.batches.close()
-
-
-def _step_args(cfg: ExperimentConfig, version: int) -> dict:
-    """step.prepare's (train_step's) arguments for the step from `version` to version + 1."""
-    return dict(
-        ppo=cfg.ppo,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        max_tokens_per_mb=cfg.trainer.mb_spec.max_tokens_per_mb,
-        min_n_mbs=cfg.trainer.mb_spec.min_n_mbs,
-        seed=cfg.seed + version,  # the same shuffle on every rank
-        version=version,
-        value_clip=cfg.critic.value_clip,
-    )

@@ -30,6 +30,7 @@ from areal.rollout.client import SGLangClient
 from areal.rollout.worker import RolloutWorker
 from areal.trainer.ppo_batch import TokenTensors
 from areal.trajectory import Trajectory
+from areal.worker import make_controller as build_controller
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.api import RolloutEngine
 from areal.workflow.openai_api import chat_messages
@@ -74,7 +75,7 @@ def make_controller(agent, workers, tokenizer, *overrides: str) -> Controller:
         ],
     )
     rows = [{"prompt": "3+4=", "answer": "7", "task": "arith", "prompt_ids": [1]}]
-    return Controller(
+    return build_controller(
         cfg, rows, tokenizer, workers, reward=None, workflow=AgentWorkflow(agent, cfg.rollout)
     )
 

@@ -30,8 +30,9 @@ from areal.data_plane import Puller, PullError
 from areal.models.tiny import make_tiny_model
 from areal.trainer.parallel import DataParallel, init_data_parallel
 from areal.trainer.step import batch_split, train_step
-from areal.trainer.worker import _step_args, batch_trajectories
+from areal.trainer.worker import batch_trajectories
 from areal.trajectory import Trajectory, TrajectoryRef
+from areal.worker import step_plan
 from tests.system.conftest import join_world
 from tests.system.test_data_parallel import make_backend, make_trajectories
 
@@ -67,7 +68,7 @@ def _rank_main(rank: int, model_dir: str, tmp: str, port: int) -> None:
     join_world(rank, 2, port)
     dp = init_data_parallel(2, rank, timeout_s=60)
     cfg = load_config(None, OVERRIDES)
-    args = {**_step_args(cfg, VERSION), "max_tokens_per_mb": 40, "max_new_tokens": None}
+    args = {**step_plan(cfg).prepare_args(VERSION), "max_tokens_per_mb": 40, "max_new_tokens": None}
     out = Path(tmp)
     try:
         # relay: every rank has the whole batch (as rank 0's broadcast gives it)
@@ -77,7 +78,7 @@ def _rank_main(rank: int, model_dir: str, tmp: str, port: int) -> None:
         # pull: references for all, tokens fetched for this rank's share only
         reply = {"trajectories": wire.unpack((out / "refs").read_bytes())}
         puller = Puller(KEY, out / "logs")
-        trajs, received = batch_trajectories(cfg, reply, VERSION, dp, puller)
+        trajs, received = batch_trajectories(step_plan(cfg), reply, VERSION, dp, puller)
         puller.close()
         pull_backend = make_backend(model_dir)
         pull = train_step(pull_backend, trajs, dp=dp, **args)
@@ -123,7 +124,7 @@ def test_pulled_shares_train_bit_identically_to_the_relayed_batch(model_dir, tmp
     # Each rank fetched exactly its own share (the step's split), no more: disjoint, all.
     cfg = load_config(None, OVERRIDES)
     seqlens = [t.n_prompt + t.n_output for t in trajs]
-    seed = _step_args(cfg, VERSION)["seed"]
+    seed = step_plan(cfg).prepare_args(VERSION)["seed"]
     for rank, info in enumerate(infos):
         assert info["fetched"] == batch_split(seqlens, 2, seed, DataParallel(rank, 2))[2]
     assert set(infos[0]["fetched"]).isdisjoint(infos[1]["fetched"])
@@ -150,7 +151,7 @@ def _replica_rank_main(rank: int, tmp: str, port: int) -> None:
     try:
         reply = {"trajectories": wire.unpack((out / "refs").read_bytes())}
         puller = Puller(KEY, out / "logs")
-        trajs, received = batch_trajectories(cfg, reply, VERSION, dp, puller)
+        trajs, received = batch_trajectories(step_plan(cfg), reply, VERSION, dp, puller)
         puller.close()
         whole = {i: t.to_wire() for i, t in enumerate(trajs) if isinstance(t, Trajectory)}
         info = {"head": dp.replica_head, "bytes": puller.bytes_in, "received": received}
@@ -174,7 +175,7 @@ def test_one_rank_of_each_replica_pulls_and_shares_within_the_replica(tmp_path):
     assert [i["head"] for i in infos] == [True, False, True, False]
     cfg = load_config(None, OVERRIDES)
     seqlens = [t.n_prompt + t.n_output for t in trajs]
-    seed = _step_args(cfg, VERSION)["seed"]
+    seed = step_plan(cfg).prepare_args(VERSION)["seed"]
     for replica in (0, 1):
         head, partner = infos[2 * replica], infos[2 * replica + 1]
         share = batch_split(seqlens, 2, seed, DataParallel(replica, 2))[2]

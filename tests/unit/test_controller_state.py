@@ -9,6 +9,7 @@ from areal.config import load_config
 from areal.controller.buffer import ReplayBuffer
 from areal.controller.controller import Controller
 from areal.trajectory import Trajectory
+from areal.worker import make_controller as build_controller
 from areal.workflow import RolloutEngine, Workflow
 
 
@@ -40,7 +41,7 @@ def make_controller(n_rows: int = 10) -> Controller:
         {"prompt": f"{i}+0=", "answer": str(i), "task": "arith", "prompt_ids": [1, i]}
         for i in range(n_rows)
     ]
-    return Controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=Held())
+    return build_controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=Held())
 
 
 def test_state_round_trip_regenerates_in_flight_prompts_and_keeps_ready_groups():

@@ -234,7 +234,9 @@ def test_ppo_recipe_turns_the_critic_on_with_the_trainers_optimizer_by_default()
     assert (cfg.ppo.adv_estimator, cfg.ppo.gamma, cfg.ppo.lam) == ("gae", 1.0, 0.95)
     assert (cfg.ppo.adv_norm, cfg.ppo.adv_std_norm) == ("batch", True)
     assert "adv=gae[gamma=1, lam=0.95, batch]" in cfg.ppo.summary()
-    opt, policy = OptimizerSpec.for_critic(cfg), OptimizerSpec.for_policy(cfg)
+    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
+    opt = OptimizerSpec.for_critic(cfg.trainer, cfg.critic, n_updates)
+    policy = OptimizerSpec.for_policy(cfg.trainer, n_updates)
     assert opt.lr == 1e-3 and opt.betas == tuple(cfg.trainer.betas) == policy.betas
     assert (opt.grad_clip, opt.warmup_steps) == (policy.grad_clip, policy.warmup_steps)
     default = load_config(None, [])

@@ -13,6 +13,7 @@ from areal.config import load_config
 from areal.controller.controller import Controller
 from areal.data_plane import TrajectoryStore
 from areal.trajectory import Trajectory, TrajectoryRef, is_ref
+from areal.worker import make_controller as build_controller
 from areal.workflow import RolloutEngine, Workflow
 
 WORKER = TrajectoryStore("rollout0", "tcp://10.0.0.1:5000")
@@ -52,7 +53,7 @@ def make_controller(n_rows: int = 12) -> Controller:
     cfg = load_config(None, ["trainer.batch_size=2", "max_staleness=1", "ppo.n_minibatches=1"])
     rows = [{"prompt": str(i), "answer": "", "task": "arith", "i": i, "prompt_ids": [1, i]}
             for i in range(n_rows)]  # fmt: skip
-    c = Controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=HeldOrMade())
+    c = build_controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=HeldOrMade())
     c.pool.workers = [Released()]
     c.pool._by_address = {WORKER.address: c.pool.workers[0]}
     c.store.address = "tcp://controller:1"

@@ -9,6 +9,7 @@ import asyncio
 from areal.config import load_config
 from areal.controller.controller import Controller
 from areal.trajectory import Trajectory
+from areal.worker import make_controller as build_controller
 from areal.workflow import RolloutEngine, Workflow
 
 
@@ -41,7 +42,7 @@ def make_controller(rewards: list[list[float]], *overrides: str) -> Controller:
     )  # fmt: skip
     rows = [{"prompt": str(i), "answer": "", "task": "arith", "rewards": r}
             for i, r in enumerate(rewards)]  # fmt: skip
-    return Controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=Rewarded())
+    return build_controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=Rewarded())
 
 
 def test_equal_reward_groups_are_dropped_and_replaced():

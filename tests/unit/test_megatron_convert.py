@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from areal.config import ConfigError, load_config
-from areal.launcher.plan import make_plan
+from areal.launcher.plan import make_plan, plan_sections
 from areal.trainer.megatron.convert import (
     HFReader,
     HFWriter,
@@ -158,13 +158,13 @@ def test_bad_model_directories_name_the_file_or_tensor(tmp_path):
 def test_parallel_config_and_plan():
     cfg = load_config(None, ["trainer.backend=megatron", "trainer.parallel.tp=2"])
     assert cfg.trainer.parallel.world_size == 2
-    plan = make_plan(cfg, ["n0"], 0)
+    plan = make_plan(["n0"], 0, **plan_sections(cfg))
     assert plan.world_size == 2
     assert {s.env["WORLD_SIZE"] for s in plan.steps if s.role == "trainer"} == {"2"}
     cfg = load_config(
         None, ["trainer.backend=megatron", "trainer.parallel.tp=2", "trainer.parallel.pp=2"]
     )
-    assert make_plan(cfg, ["n0", "n1"], 0).world_size == 4
+    assert make_plan(["n0", "n1"], 0, **plan_sections(cfg)).world_size == 4
     with pytest.raises(ConfigError, match="tp=2, pp=1 need trainer.backend=megatron"):
         load_config(None, ["trainer.parallel.tp=2"])
     with pytest.raises(ConfigError, match="trainer.parallel.pp must be > 0"):
@@ -173,7 +173,7 @@ def test_parallel_config_and_plan():
         load_config(None, ["trainer.save_dtype=int8"])
     # GPUs: 8 training GPUs hold replicas of tp=4 (dp = 2); tp=3 cannot tile them.
     cfg = load_config(None, ["trainer.backend=megatron", "trainer.parallel.tp=4"])
-    assert make_plan(cfg, ["n0", "n1", "n2", "n3"], 8).world_size == 8
+    assert make_plan(["n0", "n1", "n2", "n3"], 8, **plan_sections(cfg)).world_size == 8
     cfg = load_config(None, ["trainer.backend=megatron", "trainer.parallel.tp=3"])
     with pytest.raises(ConfigError, match="cannot hold replicas of trainer.parallel.tp"):
-        make_plan(cfg, ["n0", "n1", "n2", "n3"], 8)
+        make_plan(["n0", "n1", "n2", "n3"], 8, **plan_sections(cfg))

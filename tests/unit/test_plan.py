@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from areal.config import ConfigError, load_config
-from areal.launcher.plan import make_plan
+from areal.launcher.plan import make_plan, plan_sections
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,9 @@ def nodes(n: int) -> list[str]:
 
 def test_math_1_5b_on_16_nodes_is_the_papers_split() -> None:
     cfg = load_config(str(REPO / "configs/math_1.5b.yaml"))
-    plan = make_plan(cfg, nodes(16), 8, {f"node{i}": f"10.0.0.{i}" for i in range(16)})
+    plan = make_plan(
+        nodes(16), 8, {f"node{i}": f"10.0.0.{i}" for i in range(16)}, **plan_sections(cfg)
+    )
     assert (plan.inference_gpus, plan.training_gpus) == (96, 32)
     assert plan.n_servers == 96 == cfg.rollout.n_servers
     trainers = [s for s in plan.steps if s.role == "trainer"]
@@ -49,7 +51,9 @@ def test_paper_configs_load_and_plan() -> None:
         assert cfg.max_staleness == eta
         assert (cfg.trainer.batch_size, cfg.rollout.group_size) == (512, 16)
         assert cfg.trainer.lr == 2e-5 and cfg.rollout.max_new_tokens == 27648
-        plan = make_plan(cfg, nodes(cfg.launcher.nodes), cfg.launcher.gpus_per_node)
+        plan = make_plan(
+            nodes(cfg.launcher.nodes), cfg.launcher.gpus_per_node, **plan_sections(cfg)
+        )
         assert plan.inference_gpus + plan.training_gpus == gpus
         assert plan.inference_gpus == gpus * 3 // 4
         assert plan.n_servers == cfg.rollout.n_servers
@@ -57,21 +61,23 @@ def test_paper_configs_load_and_plan() -> None:
 
 def test_tensor_parallel_servers_never_span_nodes() -> None:
     cfg = load_config(None, ["inference.tp_size=4", "launcher.inference_fraction=0.5"])
-    plan = make_plan(cfg, nodes(3), 4)
+    plan = make_plan(nodes(3), 4, **plan_sections(cfg))
     # 6 of 12 GPUs rounds down to one whole 4-GPU server; the other 8 GPUs train.
     assert (plan.n_servers, plan.inference_gpus, plan.training_gpus) == (1, 4, 8)
     with pytest.raises(ConfigError, match="does not divide"):
-        make_plan(load_config(None, ["inference.tp_size=3"]), nodes(2), 8)
+        make_plan(nodes(2), 8, **plan_sections(load_config(None, ["inference.tp_size=3"])))
 
 
 def test_cpu_plan_splits_nodes() -> None:
     cfg = load_config(None, ["rollout.n_servers=3"])
-    plan = make_plan(cfg, nodes(4), 0)
+    plan = make_plan(nodes(4), 0, **plan_sections(cfg))
     assert [s.node for s in plan.steps if s.role == "server"] == ["node0", "node1", "node2"]
     assert [s.node for s in plan.steps if s.role == "trainer"] == ["node3"]
-    two = make_plan(cfg, nodes(2), 0)  # round(1.5) inference nodes, but one must train
+    two = make_plan(
+        nodes(2), 0, **plan_sections(cfg)
+    )  # round(1.5) inference nodes, but one must train
     assert {s.node for s in two.steps if s.role == "trainer"} == {"node1"}
-    one = make_plan(cfg, nodes(1), 0)
+    one = make_plan(nodes(1), 0, **plan_sections(cfg))
     assert {s.node for s in one.steps} == {"node0"} and one.world_size == 1
 
 
@@ -129,7 +135,7 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
         str(REPO / "configs/tiny.yaml"),
         ["rollout.n_servers=2", "trainer.parallel.dp=2", "launcher.lend_idle_cores=true"],
     )
-    plan = make_plan(cfg, nodes(1), 0)
+    plan = make_plan(nodes(1), 0, **plan_sections(cfg))
     computing_roles = ("server", "trainer")
     computing = [s for s in plan.steps if s.role in computing_roles]
     assert len(computing) == 4 and {s.env[CPU_SHARE_ENV] for s in computing} == {"4"}
@@ -145,7 +151,9 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
 
     def sync_plan(*more: str):
         overrides = ["rollout.n_servers=2", "trainer.parallel.dp=2", "max_staleness=0", *more]
-        return make_plan(load_config(str(REPO / "configs/tiny.yaml"), overrides), nodes(1), 0)
+        return make_plan(
+            nodes(1), 0, **plan_sections(load_config(str(REPO / "configs/tiny.yaml"), overrides))
+        )
 
     # A fixed split (no lending): at eta=0 the servers idle while the trainer trains, so its
     # ranks split the cores between themselves; the servers keep their share.
@@ -159,7 +167,9 @@ def test_cpu_servers_and_trainer_ranks_split_their_nodes_cores(monkeypatch) -> N
     assert all(CPU_LEDGER_ENV not in s.env for s in vllm.steps)
     # With GPUs a step computes on its own GPU: no share of the CPUs.
     gpu_cfg = load_config(str(REPO / "configs/math_1.5b.yaml"))
-    assert all(CPU_SHARE_ENV not in s.env for s in make_plan(gpu_cfg, nodes(16), 8).steps)
+    assert all(
+        CPU_SHARE_ENV not in s.env for s in make_plan(nodes(16), 8, **plan_sections(gpu_cfg)).steps
+    )
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv(CPU_SHARE_ENV, "4")
@@ -183,10 +193,10 @@ def test_one_gpu_is_shared_by_the_server_and_the_trainer() -> None:
     assert env["server0"] == env["trainer0"] == "0"
     # Under SLURM the trainer's step overlaps the server's instead of waiting for its GPU.
     alloc = Allocation("1", ["n0"], {"n0": "n0"}, gpus_per_node=1, cpus_per_node=4)
-    slurm = SlurmLauncher(cfg, alloc, make_plan(cfg, ["n0"], 1))
+    slurm = SlurmLauncher(cfg, alloc, make_plan(["n0"], 1, **plan_sections(cfg)))
     srun = {s.name: slurm.command(s, ["x"])[0] for s in slurm.plan.steps}
     assert "--exact" in srun["server0"] and "--gpus-per-node=1" in srun["server0"]
     assert "--overlap" in srun["trainer0"] and "--gpus-per-node=1" in srun["trainer0"]
     # Two GPUs: each holds its own again.
-    two = make_plan(cfg, ["n0"], 2)
+    two = make_plan(["n0"], 2, **plan_sections(cfg))
     assert not any(s.colocated for s in two.steps) and two.training_gpus == 1

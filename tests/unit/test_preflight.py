@@ -61,7 +61,7 @@ def test_too_little_disk_for_the_checkpoints_is_refused(tmp_path):
     (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
     cfg = load_config(None, [f"fileroot={tmp_path / 'runs'}"])
     with pytest.raises(ConfigError, match=r"fileroot=.* GiB free.*need about"):
-        check_disk(cfg, str(model))
+        check_disk(cfg.fileroot, str(model), save_dtype=cfg.trainer.save_dtype, lora=False)
 
 
 def test_the_launcher_refuses_a_config_only_model_at_once(tmp_path):

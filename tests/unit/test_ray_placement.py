@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from areal.config import load_config
-from areal.launcher.plan import make_plan
+from areal.launcher.plan import make_plan, plan_sections
 from areal.launcher.ray_plan import (
     NODE_LABEL,
     TOKEN_CPU,
@@ -47,7 +47,9 @@ def test_a_lost_node_is_replaced_in_its_place_and_the_others_stay():
 def test_bundles_of_the_15b_plan_hold_gpus_and_a_fair_share_of_cpus():
     cfg = load_config(ROOT / "configs/math_1.5b.yaml", ["launcher.type=ray"])
     nodes = [node(i) for i in range(16)]
-    plan = make_plan(cfg, [n.name for n in nodes], 8, {n.name: n.ip for n in nodes}, 0)
+    plan = make_plan(
+        [n.name for n in nodes], 8, {n.name: n.ip for n in nodes}, 0, **plan_sections(cfg)
+    )
     pl = placement(plan, {n.name: n.node_id for n in nodes}, cpus_per_node=96)
     assert len(pl.bundles) == len(plan.steps)
     gpu = [b for b in pl.bundles if "GPU" in b]
@@ -65,7 +67,7 @@ def test_bundles_of_the_15b_plan_hold_gpus_and_a_fair_share_of_cpus():
 
 def test_a_trainer_sharing_the_servers_gpu_shares_its_bundle():
     cfg = load_config(ROOT / "configs/tiny.yaml", ["launcher.type=ray"])
-    plan = make_plan(cfg, ["n0"], 1)
+    plan = make_plan(["n0"], 1, **plan_sections(cfg))
     pl = placement(plan, {"n0": "id0"}, cpus_per_node=8)
     trainer = next(s for s in plan.steps if s.role == "trainer")
     assert trainer.colocated
@@ -76,7 +78,7 @@ def test_a_trainer_sharing_the_servers_gpu_shares_its_bundle():
 
 def test_cpu_roles_and_cpu_plans_take_a_token_cpu():
     cfg = load_config(ROOT / "configs/tiny.yaml", ["launcher.type=ray"])
-    plan = make_plan(cfg, ["n0", "n1"], 0)
+    plan = make_plan(["n0", "n1"], 0, **plan_sections(cfg))
     pl = placement(plan, {"n0": "a", "n1": "b"}, cpus_per_node=2)
     assert pl.bundles == [{"CPU": TOKEN_CPU}] * len(plan.steps)
 

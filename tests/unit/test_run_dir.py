@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from areal.config import ConfigError, load_config, save_config
-from areal.run_dir import claim
+from areal.run_dir import claim as claim_dir
+
+
+def claim(cfg) -> None:
+    """As train.prepare_experiment claims the directory."""
+    overwrite, cfg.overwrite = cfg.overwrite, False
+    cfg.resume = claim_dir(cfg.exp_dir, cfg.to_dict(), resume=cfg.resume, overwrite=overwrite)
 
 
 def tree_hash(root: Path) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from areal.comm.registry import create_key
 from areal.config import ConfigError, load_config
-from areal.launcher.plan import make_plan
+from areal.launcher.plan import make_plan, plan_sections
 from areal.rollout.backends import load_backend, version_problem
 from areal.rollout.backends.sglang import SUPPORTED_SGLANG
 from areal.rollout.launch import (
@@ -225,7 +225,7 @@ def test_start_failure_message_has_the_command_and_the_log_tail(tmp_path):
 
 def test_gpu_plan_gives_each_step_its_own_gpus():
     cfg = load_config(None, ["inference.tp_size=2", "launcher.inference_fraction=0.75"])
-    plan = make_plan(cfg, ["n0", "n1"], 4)
+    plan = make_plan(["n0", "n1"], 4, **plan_sections(cfg))
     servers = [s for s in plan.steps if s.role == "server"]
     trainers = [s for s in plan.steps if s.role == "trainer"]
     assert [(s.node, s.gpu_ids) for s in servers] == [

@@ -4,11 +4,11 @@ and the worker's save rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,11 +18,12 @@ from areal.config import ConfigError, load_config
 from areal.models.tiny import make_tiny_model
 from areal.trainer import backends
 from areal.trainer.backend import TrainerBackend
-from areal.trainer.factory import make_backend as build_backend
 from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import DataParallel
 from areal.trainer.torch_backend import TorchBackend
-from areal.trainer.worker import load_trainer_part, save_rule, write_trainer_part
+from areal.trainer.worker import load_trainer_part, write_trainer_part
+from areal.worker import make_backend as build_backend
+from areal.worker import step_plan
 
 SEQS = [[5, 9, 14, 3, 22, 7, 1], [40, 2, 2], [11, 12, 13, 14, 15], [30, 31]]
 
@@ -156,17 +157,19 @@ def test_a_new_trainer_backend_is_one_file(echo_backend):
     cfg = load_config(None, ["trainer.backend=echo", "trainer.lr=3e-4"])
     dp = DataParallel()
     built, built_dp = build_backend(cfg, "some/model", dp)
-    assert built == {"model_dir": "some/model", "optimizer": OptimizerSpec.for_policy(cfg)}
+    optimizer = OptimizerSpec.for_policy(cfg.trainer, cfg.total_train_steps * cfg.ppo.n_minibatches)
+    assert built == {"model_dir": "some/model", "optimizer": optimizer}
     assert built_dp is dp and built["optimizer"].lr == 3e-4
 
 
 def test_the_optimizer_spec_is_the_config_s():
     cfg = load_config(None, ["ppo.recipe=ppo", "critic.lr=1e-3", "total_train_steps=500"])
-    policy, critic = OptimizerSpec.for_policy(cfg), OptimizerSpec.for_critic(cfg)
+    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
+    policy = OptimizerSpec.for_policy(cfg.trainer, n_updates)
+    critic = OptimizerSpec.for_critic(cfg.trainer, cfg.critic, n_updates)
     t = cfg.trainer
     assert (policy.lr, policy.weight_decay, policy.betas) == (t.lr, t.weight_decay, (0.9, 0.95))
     assert (policy.adam_eps, policy.grad_clip) == (t.adam_eps, t.grad_clip)
-    n_updates = cfg.total_train_steps * cfg.ppo.n_minibatches
     assert policy.warmup_steps == int(t.warmup_steps_ratio * n_updates) > 0
     assert critic == OptimizerSpec(**{**vars(policy), "lr": 1e-3})
     ramp = [policy.lr_at(n) for n in (0, policy.warmup_steps - 1, 10**6)]
@@ -207,13 +210,14 @@ def test_an_old_torch_checkpoint_is_a_clear_error(model_dir):
 
 
 def test_save_rule():
-    cfg = SimpleNamespace(
-        total_train_steps=10, trainer=SimpleNamespace(save_freq_steps=4, save_freq_s=60.0)
+    cfg = load_config(
+        None, ["total_train_steps=10", "trainer.save_freq_steps=4", "trainer.save_freq_s=60"]
     )
-    assert [v for v in range(1, 11) if save_rule(cfg, v, 0.0)] == [4, 8, 10]
-    assert save_rule(cfg, 3, 60.0) and not save_rule(cfg, 3, 59.0)
-    cfg.trainer.save_freq_s = 0.0  # off
-    assert not save_rule(cfg, 3, 1e9)
+    plan = step_plan(cfg)
+    assert [v for v in range(1, 11) if plan.save_rule(v, 0.0)] == [4, 8, 10]
+    assert plan.save_rule(3, 60.0) and not plan.save_rule(3, 59.0)
+    plan = dataclasses.replace(plan, save_freq_s=0.0)  # off
+    assert not plan.save_rule(3, 1e9)
 
 
 def test_torch_logits_give_the_log_prob_stream(model_dir):

@@ -9,8 +9,8 @@ from dataclasses import fields
 import pytest
 
 from areal.config import RolloutConfig, load_config
-from areal.controller.controller import Controller
 from areal.trajectory import Trajectory
+from areal.worker import make_controller as build_controller
 from areal.workflow import Workflow, load_workflow
 from areal.workflow.agent import AgentWorkflow
 from areal.workflow.openai_api import BadRequest, chat_messages, cut_at_stop, request_params
@@ -139,7 +139,7 @@ def test_a_declined_row_frees_the_gate_and_is_used_up():
     cfg = load_config(None, ["trainer.batch_size=2", "max_staleness=0"])
     rows = [{"prompt": f"{i}+0=", "answer": str(i), "task": "arith", "prompt_ids": [1, i]}
             for i in range(3)]  # fmt: skip
-    c = Controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=_Decline())
+    c = build_controller(cfg, rows, tokenizer=None, workers=[], reward=None, workflow=_Decline())
 
     async def body():
         return await (await c.admit())

@@ -10,7 +10,7 @@
             .in_process                 its engine can run in the launcher's process (inline)
             .takes_deltas, .takes_adapter_tensors   what its servers take over the
                                         weight-update group (weights.delta, model.lora)
-            .group_backend, .group_ranks(cfg)       that group's collectives, and the
+            .group_backend, .group_ranks(inference) that group's collectives, and the
                                         ranks each server takes in it
 
 A new backend is one module here defining `BACKEND` (an InferenceBackend); nothing else names
@@ -56,10 +56,11 @@ class InferenceBackend(abc.ABC):
     """The weight-update group's collectives with its servers: gloo (tensors on the CPU, or
     through /dev/shm within a node: weights.shared_memory), or nccl (between GPUs)."""
 
-    def group_ranks(self, cfg: Any) -> int:
-        """The ranks one of its servers takes in the weight-update group: one per
-        tensor-parallel worker (each receives every tensor, as SGLang's do)."""
-        return cfg.inference.tp_size
+    def group_ranks(self, inference: Any) -> int:
+        """The ranks one of its servers takes in the weight-update group (`inference`: the
+        config's inference section): one per tensor-parallel worker (each receives every
+        tensor, as SGLang's do)."""
+        return inference.tp_size
 
     def check(self, cfg: Any) -> None:
         """Raise ConfigError for a config this backend cannot serve (called on load)."""

@@ -25,7 +25,7 @@ class Embedded(InferenceBackend):
     takes_deltas = True
     takes_adapter_tensors = True  # merged as an adapter directory is (weight_loading.py)
 
-    def group_ranks(self, cfg: Any) -> int:
+    def group_ranks(self, inference: Any) -> int:
         return 1  # one process, whatever inference.tp_size says
 
     def check(self, cfg: Any) -> None:

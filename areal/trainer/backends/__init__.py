@@ -4,7 +4,7 @@
         load_backend(name) --> TrainerBackendSpec
             .check(cfg)         its config rules (ConfigError), when the config loads
             .build(cfg, model_dir, dp, optimizer) -> (TrainerBackend, dp over its replicas)
-                                its model (trainer/factory.py's make_backend, every rank)
+                                its model (areal/worker.py's make_backend, every rank)
             .in_process         it trains in the launcher's process (launcher.type=inline)
 
 A new backend is one module here defining `BACKEND` (a TrainerBackendSpec) whose build imports
