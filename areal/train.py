@@ -169,16 +169,10 @@ def prepare_recovery(cfg: ExperimentConfig, n: int) -> None:
 def plan_run(cfg: ExperimentConfig) -> tuple[Plan, Allocation | list[RayNode] | None]:
     """The placement of `cfg` (and where: the SLURM allocation, or the Ray nodes); sets
     rollout.n_servers and trainer.parallel.dp to what it placed."""
+    from areal.launcher.plan import plan_sections
+
     alloc = None
-    # The sections placement reads, handed on (make_plan; the launchers' plan_sections).
-    sections = dict(
-        launcher=cfg.launcher,
-        inference=cfg.inference,
-        n_servers=cfg.rollout.n_servers,
-        parallel=cfg.trainer.parallel,
-        exp_dir=cfg.exp_dir,
-        max_staleness=cfg.max_staleness,
-    )
+    sections = plan_sections(cfg)  # the sections placement reads, as the launchers hand them
     if cfg.launcher.type in ("local", "inline"):  # inline: one process, as local plans it
         from areal.launcher.local import local_plan
 
