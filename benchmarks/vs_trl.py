@@ -4,7 +4,7 @@ and both against the machine's limit.
     pip install -c constraints.txt trl     # the repository's constraints.txt keeps the CPU torch
     python benchmarks/vs_trl.py [--task arith|math|long] [--geometries 145k:32:8:8,4m:128:8:8,...]
         [--steps 60] [--repeats 1] [--max-staleness 0,4] [--fixed-split] [--limit-steps 3]
-        [--skip-trl] [--dtype float32]
+        [--skip-trl] [--trl-threads 0] [--dtype float32]
 
 A geometry is shape:new:prompts:group: the model shape of benchmarks/engine.py (145k:
 hidden 64, 2 layers; 4m: hidden 256, intermediate 1024, 4 layers), the new tokens per
@@ -201,12 +201,16 @@ def worker(*args: str) -> str:
 
 
 def run_trl(
-    model: Path, geo: Geometry, steps: int, dtype: str, data: str, out: str
-) -> tuple[float, list[list[int]]]:
-    """Effective throughput and every step's answer lengths (each its step's mean)."""
-    found = json.loads(worker("--trl-worker", str(model), str(geo), str(steps), dtype, data, out))
+    model: Path, geo: Geometry, steps: int, dtype: str, data: str, out: str, threads: int
+) -> tuple[float, list[list[int]], float]:
+    """Effective throughput, every step's answer lengths (each its step's mean) and the
+    process CPU seconds of a measured step (median)."""
+    found = json.loads(
+        worker("--trl-worker", str(model), str(geo), str(steps), dtype, data, out, str(threads))
+    )
     batch = geo.prompts * geo.group
-    return found["tok_s"], [[round(mean)] * batch for mean in found["mean_lengths"]]
+    lengths = [[round(mean)] * batch for mean in found["mean_lengths"]]
+    return found["tok_s"], lengths, found["core_s"]
 
 
 def run_limit(
@@ -222,11 +226,14 @@ def limit_tok_s(lim: dict[str, float], cores: int) -> float:
     return lim["tokens"] / ((lim["gen_s"] + lim["train_s"]) / cores)
 
 
-def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str, out: str) -> None:
+def trl_worker(
+    model: str, geo: Geometry, steps: int, dtype: str, data: str, out: str, threads: int
+) -> None:
     # This script's folder leaves the import path: its vllm.py would pass for vLLM in
     # TRL's availability check (and fail it: no version).
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -256,12 +263,15 @@ def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str, out
          for r in rows]
     )  # fmt: skip
 
-    marks: list[tuple[float, float]] = []
+    if threads:
+        torch.set_num_threads(threads)
+    marks: list[tuple[float, float, float]] = []  # (wall, process CPU, mean answer length)
 
     class Clock(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs:
-                marks.append((time.perf_counter(), logs["completions/mean_length"]))
+                now = (time.perf_counter(), time.process_time())
+                marks.append((*now, logs["completions/mean_length"]))
 
     batch = geo.prompts * geo.group
     config = GRPOConfig(
@@ -278,8 +288,11 @@ def trl_worker(model: str, geo: Geometry, steps: int, dtype: str, data: str, out
         reward_funcs=reward, args=config, train_dataset=dataset, callbacks=[Clock()],
     )  # fmt: skip
     trainer.train()
-    steps = [{"time": t, "train/n_tokens": length * batch} for t, length in marks]
-    print(json.dumps({"tok_s": effective_throughput(steps), "mean_lengths": [m for _, m in marks]}))
+    steps = [{"time": t, "train/n_tokens": length * batch} for t, _, length in marks]
+    kept = marks[len(marks) // 5 :]  # effective_throughput's steps: the CPU they cost
+    cpu = statistics.median(b[1] - a[1] for a, b in zip(kept, kept[1:], strict=False))
+    print(json.dumps({"tok_s": effective_throughput(steps), "core_s": cpu,
+                      "mean_lengths": [m for _, _, m in marks]}))  # fmt: skip
 
 
 def limit_worker(model: str, geo: Geometry, lengths_file: str, dtype: str, data: str) -> None:
@@ -354,7 +367,7 @@ def main() -> None:
         model, geo, steps, dtype, data, *rest = sys.argv[2:]
         geo = Geometry.parse(geo)
         if sys.argv[1] == "--trl-worker":
-            trl_worker(model, geo, int(steps), dtype, data, rest[0])
+            trl_worker(model, geo, int(steps), dtype, data, rest[0], int(rest[1]))
         else:
             limit_worker(model, geo, steps, dtype, data)  # steps: the lengths' file
         return
@@ -373,6 +386,11 @@ def main() -> None:
     )
     parser.add_argument("--limit-steps", type=int, default=3, help="after one warm-up step")
     parser.add_argument("--skip-trl", action="store_true", help="areal and the limit only")
+    parser.add_argument(
+        "--trl-threads", type=int, default=0,
+        help="torch threads of TRL's process (0: torch's default, every core); 1 measures "
+        "its single-thread cost, to set against areal's (the limit's)",
+    )  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--fixed-split",
@@ -398,11 +416,15 @@ def main() -> None:
             model = models[geo.shape]
             sides = ([] if args.skip_trl else ["trl"]) + [name for name, _, _ in variants]
             res: dict[str, list[float]] = {k: [] for s in sides for k in (s, f"{s}/limit")}
+            res.update({} if args.skip_trl else {"trl/cpu": []})
             for r in range(args.repeats):  # interleaved: all see the same machine
                 tag = f"{geo.shape}-{geo.new}-{geo.prompts}x{geo.group}-{r}"
-                runs = {}
+                runs, trl_core_s = {}, 0.0
                 if not args.skip_trl:
-                    runs["trl"] = run_trl(model, geo, args.steps, args.dtype, data, f"{root}/{tag}")
+                    tok_s, lengths, trl_core_s = run_trl(
+                        model, geo, args.steps, args.dtype, data, f"{root}/{tag}", args.trl_threads
+                    )
+                    runs["trl"] = (tok_s, lengths)
                 for name, max_staleness, extra in variants:
                     runs[name] = run_areal(model, geo, max_staleness, args.steps, root,
                                            f"{tag}-{name}", extra, args.dtype, data)  # fmt: skip
@@ -417,6 +439,9 @@ def main() -> None:
                         f"(answers {lim['tokens'] / len(steps[0]):.0f} tokens; one thread: "
                         f"generation {lim['gen_s']:.2f} + training {lim['train_s']:.2f} core-s)"
                     )
+                    if side == "trl":  # TRL's own CPU a step against areal's at its lengths
+                        res["trl/cpu"].append(trl_core_s / (lim["gen_s"] + lim["train_s"]))
+                        line[-1] += f"; TRL's process {trl_core_s:.2f} core-s a step"
                 print(f"  {geo} repeat {r}: " + "; ".join(line), flush=True)
             rows.append((geo, {k: statistics.median(v) for k, v in res.items()}))
     print(f"task {args.task}, {cores} cores")
@@ -429,10 +454,16 @@ def print_table(rows: list, names: list[str]) -> None:
     cols = [("TRL tok/s", "{:.0f}", lambda m: m["trl"])] if trl else []
     cols += [(f"areal {n}", "{:.0f}", lambda m, n=n: m[n]) for n in names]
     cols += [("TRL/limit", "{:.2f}", lambda m: m["trl/limit"])] if trl else []
+    cols += [("TRL cpu/ours", "{:.2f}", lambda m: m["trl/cpu"])] if trl else []
     cols += [(f"{n}/limit", "{:.2f}", lambda m, n=n: m[f"{n}/limit"]) for n in names]
     if trl:
         cols += [(f"{n}/TRL", "{:.2f}x", lambda m, n=n: m[n] / m["trl"]) for n in names]
     print("limit = completion tokens / ((generation + training core-s) / cores), per run")
+    if trl:
+        print(
+            "TRL cpu/ours = TRL's process CPU seconds a step / areal's one-thread generation +"
+            " training at TRL's lengths (below 1: TRL's step costs fewer core-seconds)"
+        )
     print("ms=N: areal at max_staleness N (the paper's eta)")
     print(f"{'geometry':<14}" + "".join(f" {name:>12}" for name, _, _ in cols))
     for geo, m in rows:
