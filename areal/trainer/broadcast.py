@@ -103,16 +103,41 @@ class WeightBroadcaster:
         named: Iterable[tuple[str, torch.Tensor]],
     ) -> None:
         named = self._prepared(named)
-        path = str(version_dir(self.cfg.exp_dir, version))  # where a server may read it
         on_disk = version % self.cfg.weights.disk_every == 0
         if on_disk:
             self._to_disk(version, named)
         full = list(weight_group.buckets(named, self.bucket_bytes, *self._lora_bucketing(named)))
         delta = self._delta(named)
+        group = self._announce(controller, version, named, full, delta, on_disk)
+        sent = delta if group["delta"] else full
+        self._held = None  # until every server holds this version
+        if not self._send(group, sent, version, named, on_disk):
+            return
+        if self.cfg.weights.delta:
+            self._held = {n: t.clone() for n, t in named}
+        servers = group["world_size"] - 1
+        self.stats = {
+            "weights/sent_bytes": float(_nbytes(sent) * servers),
+            "weights/full_bytes": float(_nbytes(full) * servers),
+        }
+
+    def _announce(
+        self,
+        controller: SyncRpcClient,
+        version: int,
+        named: list[tuple[str, torch.Tensor]],
+        full: list,
+        delta: list | None,
+        on_disk: bool,
+    ) -> dict:
+        """weights_ready to the controller, with the buckets' specs and where to meet; its
+        answer: the group (name, world size, new?, delta accepted?), once the previous
+        update is done. A group of the other backend is left first."""
+        path = str(version_dir(self.cfg.exp_dir, version))  # where a server may read it
         backend = self._group_backend(_nbytes([named]))
         if self.group is not None and self.group.backend != backend:
             self.close_group()  # a new group with the other backend
-        group = controller.call(
+        return controller.call(
             "weights_ready",
             version=version,
             path=path if on_disk else self.on_disk[1],
@@ -132,16 +157,26 @@ class WeightBroadcaster:
                 "new_group": self.group is None,
             },
         )
-        sent = delta if group["delta"] else full
-        self._held = None  # until every server holds this version
+
+    def _send(
+        self,
+        group: dict,
+        sent: list,
+        version: int,
+        named: list[tuple[str, torch.Tensor]],
+        on_disk: bool,
+    ) -> bool:
+        """Broadcast the buckets `sent` over the group (joined first if new); False when
+        no server serves or the broadcast failed (the group dropped, the version written
+        to disk for the servers that missed it)."""
         try:
             if group["new"] or group["world_size"] == 1:
                 self.close_group()
             if group["world_size"] == 1:
-                return  # no server serves: each loads the newest on disk once back
+                return False  # no server serves: each loads the newest on disk once back
             if self.group is None:
                 self.group = weight_group.open_group(
-                    backend=backend,
+                    backend=group["backend"],
                     master_address=self.host,
                     master_port=group["master_port"],
                     rank=0,
@@ -162,14 +197,8 @@ class WeightBroadcaster:
             self.close_group()
             if not on_disk:  # the servers that missed it read it there
                 self._to_disk(version, named)
-            return
-        if self.cfg.weights.delta:
-            self._held = {n: t.clone() for n, t in named}
-        servers = group["world_size"] - 1
-        self.stats = {
-            "weights/sent_bytes": float(_nbytes(sent) * servers),
-            "weights/full_bytes": float(_nbytes(full) * servers),
-        }
+            return False
+        return True
 
     def _group_backend(self, version_bytes: int) -> str:
         """shm when every registered server listens on this node's address and /dev/shm has
