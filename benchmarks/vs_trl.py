@@ -416,7 +416,8 @@ def main() -> None:
             model = models[geo.shape]
             sides = ([] if args.skip_trl else ["trl"]) + [name for name, _, _ in variants]
             res: dict[str, list[float]] = {k: [] for s in sides for k in (s, f"{s}/limit")}
-            res.update({} if args.skip_trl else {"trl/cpu": []})
+            if not args.skip_trl:
+                res["trl/cpu"] = []  # TRL's CPU a step / areal's one-thread core-s
             for r in range(args.repeats):  # interleaved: all see the same machine
                 tag = f"{geo.shape}-{geo.new}-{geo.prompts}x{geo.group}-{r}"
                 runs, trl_core_s = {}, 0.0
