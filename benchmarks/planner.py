@@ -1,12 +1,12 @@
 """The planner (areal/planner/) against real runs: predicted and measured throughput and
 staleness, its recommendation against a hand-measured grid, and the paper's 1.5B setting.
 
-    python benchmarks/planner.py [--configs tiny,tiny_longtail] [--max-staleness 0,1,4,16]
+    python benchmarks/planner.py [--configs tiny,tiny_longtail] [--max-staleness 0,1,2,4,8,16]
         [--servers 1,2] [--steps tiny=200,tiny_longtail=40] [--fileroot DIR]
         [--model CONFIG=DIR ...] [--repeats 3] [--reuse] [--timeout-s 900] [--no-paper]
 
-Per config: TWO profiling runs (the config as it is, and at max_staleness=0, `--steps` steps
-each) are calibrated (areal/planner/calibrate.py); every grid point (servers x max_staleness)
+Per config: THREE profiling runs (the config as it is twice, and at max_staleness=0, `--steps`
+steps each) are calibrated (areal/planner/calibrate.py); every grid point (servers x max_staleness)
 is then `--repeats` runs of its own (taken round the grid; the medians of throughput and of
 staleness are compared), predicted from that profile alone, never from themselves. Effective
 throughput is the paper's (benchmarks/tiny_run.effective_throughput: tokens trained per
@@ -85,13 +85,15 @@ def predict(profile, cfg, max_staleness: int, servers: int, steps: int):
 
 def validate(args: argparse.Namespace, name: str) -> list[dict]:
     config = ROOT / f"configs/{name}.yaml"
-    # The config as it is, and at max_staleness=0: there its roles take turns, each alone on
-    # both cores, which a max_staleness=4 run seldom shows (the speed-up of a lent core).
+    # The config as it is (twice: each run counts at the median run's pace, so that one run
+    # slowed by other work moves no cost), and at max_staleness=0: there its roles take turns,
+    # each alone on both cores, which a max_staleness=4 run seldom shows (a lent core's speed).
     profile_dir = run(args, config, f"{name}-profile", [])
-    sync_dir = run(args, config, f"{name}-profile-e0", ["max_staleness=0"])
-    profile = calibrate([profile_dir, sync_dir])
+    dirs = [profile_dir, run(args, config, f"{name}-profile-2", [])]
+    dirs.append(run(args, config, f"{name}-profile-e0", ["max_staleness=0"]))
+    profile = calibrate(dirs)
     profile.save(Path(args.fileroot) / f"{name}-profile.json")
-    print(f"\n{name}: profile from {profile_dir} and {sync_dir.name}")
+    print(f"\n{name}: profile from {', '.join(str(d) for d in dirs)}")
     for note in profile.notes:
         print(f"  {note}")
     costs = {k: v for k, v in profile.to_dict().items() if k in ("decode", "train", "handoff")}
@@ -214,7 +216,7 @@ def paper(steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,tiny_longtail")
-    ap.add_argument("--max-staleness", default="0,1,4,16", metavar="LIST")
+    ap.add_argument("--max-staleness", default="0,1,2,4,8,16", metavar="LIST")
     ap.add_argument("--servers", default="1,2")
     # tiny's steps take ~0.1 s: 200 of them measure ~20 s, not a few seconds of noise.
     ap.add_argument("--steps", default="tiny=200,tiny_longtail=40", help="N, or CONFIG=N,...")

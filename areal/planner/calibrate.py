@@ -11,7 +11,12 @@ pooled: the config as it is, and the same at max_staleness=0 for the speed-up of
     batches.jsonl          output lengths, by group (group_size consecutive samples)
 
 Least squares with coefficients kept >= 0 (a cost is never negative: a column whose
-coefficient would be is dropped and the rest refitted). A server's speed-up on n threads is
+coefficient would be is dropped and the rest refitted). Each run counts from the end of its
+first fifth of steps (start-up and first allocations left out, as the benchmarks leave them
+out of throughput), and at the median pace of the runs: a run whose spans took longer than
+the pooled fit says, all of them alike (other work on the machine), is scaled to the median
+before the fit is redone, so that one slow run among three moves no cost (_even_paces; each
+run's pace is printed). A server's speed-up on n threads is
 the one-thread fit's prediction over the measured time, summed over its windows on n threads;
 the trainer's, from the spans it ran partly on a lent core (_lent_speedup).
 Run it on a run of the configuration you plan (its lengths and batch shapes), with
@@ -20,6 +25,8 @@ stats.events on (the default) and the embedded engine (SGLang records no decode 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +40,10 @@ MIN_SPANS = 8
 """Fewer spans than this of a kind fit nothing reliably: the run was too short."""
 MIN_LENT_S = 0.5
 """Seconds of lent cores under a role's spans that a speed-up is fitted from, at least."""
+WARMUP_FRACTION = 0.2
+"""The share of a run's first steps left out of its costs."""
+PACE_WARN = 0.15
+"""A run whose pace is this far from the runs' median is named in a warning."""
 DEFAULT_GROUP_OVERHEAD_S = 0.004
 """Admission to server and last sample to buffer, when the run shows no idle server to
 measure it on (controller + rollout worker + grading of a tiny task: a few ms)."""
@@ -55,6 +66,56 @@ def _r2(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> float:
     resid = y - x @ coef
     total = ((y - y.mean()) ** 2).sum()
     return float(1 - (resid**2).sum() / total) if total > 0 else 1.0
+
+
+def _even_paces(
+    rows: list[tuple[int, bool, np.ndarray, float]],
+    runs: list[Run],
+    what: str,
+    notes: list[str],
+    fit: Callable[[np.ndarray, np.ndarray], np.ndarray] = nnls,
+) -> tuple[np.ndarray, list[tuple[int, bool, np.ndarray, float]]]:
+    """The fit over the base rows (run index, on base threads, features, seconds), with every
+    run's seconds scaled to the median of the runs' paces (measured / pooled prediction over
+    its base rows), and the rows so scaled. A run with too few base rows to pace keeps its
+    seconds; with one run to pace, nothing changes."""
+
+    def base_fit(rs: list[tuple[int, bool, np.ndarray, float]]) -> np.ndarray:
+        return fit(np.array([x for _, b, x, _ in rs if b]), np.array([y for _, b, _, y in rs if b]))
+
+    coef = base_fit(rows)
+    paces: dict[int, float] = {}
+    for i in range(len(runs)):
+        mine = [(x, y) for r, b, x, y in rows if r == i and b]
+        predicted = sum(float(x @ coef) for x, _ in mine)
+        if len(mine) >= MIN_SPANS and predicted > 0:
+            paces[i] = sum(y for _, y in mine) / predicted
+    if len(paces) < 2:
+        return coef, rows
+    mid = float(np.median(list(paces.values())))
+    notes.append(
+        f"{what}: each run's time against the median run's for the same work: "
+        + ", ".join(f"{runs[i].path.name} {p / mid:.2f}x" for i, p in paces.items())
+        + "; each counted at the median"
+    )
+    for i, p in paces.items():
+        if abs(p / mid - 1) > PACE_WARN:
+            notes.append(
+                f"{WARNING}{runs[i].path} took {p / mid:.2f}x the median run's time for its {what} "
+                "work: the machine was likely busy with other work; it counts at the median "
+                "(profile three runs or more, so that the median is a run's)"
+            )
+    rows = [(r, b, x, y * mid / paces.get(r, mid)) for r, b, x, y in rows]
+    return base_fit(rows), rows
+
+
+def _steady(run: Run) -> Run:
+    """The run from the end of its first fifth of steps (the publish that ends it) on."""
+    ends = sorted(e["end"] for e in _spans(run, "trainer0", "publish"))
+    if len(ends) < 10:
+        return run
+    start = ends[int(WARMUP_FRACTION * len(ends)) - 1]
+    return dataclasses.replace(run, events=[e for e in run.events if e["start"] >= start])
 
 
 def _spans(run: Run, role_prefix: str, kind: str) -> list[dict]:
@@ -125,7 +186,10 @@ def _where(runs: list[Run]) -> str:
 
 
 def fit_decode(runs: list[Run], notes: list[str]) -> DecodeCost:
-    windows = [w for run in runs for w in _spans(run, "server", "decode")]
+    group_s = _group_s(runs, notes)  # whole runs: their generate spans against their batches
+    runs = [_steady(run) for run in runs]
+    indexed = [(i, w) for i, run in enumerate(runs) for w in _spans(run, "server", "decode")]
+    windows = [w for _, w in indexed]
     if len(windows) < MIN_SPANS:
         raise ConfigError(
             f"{_where(runs)} has {len(windows)} decode windows (events/server*.jsonl, kind "
@@ -137,26 +201,29 @@ def fit_decode(runs: list[Run], notes: list[str]) -> DecodeCost:
     # step costs; runs recorded before it was measured give the contexts' sum instead.
     cells = "read" if all("read" in w for w in windows) else "cells"
     cols = ("steps", "rows", cells, "prefill", "prefill_rows")
+    threads = [int(w.get("threads", 1)) for w in windows]
+    base = min(threads)
     rows = [
-        (int(w.get("threads", 1)), np.array([w[c] for c in cols], float), w["end"] - w["start"])
-        for w in windows
+        (i, t == base, np.array([w[c] for c in cols], float), w["end"] - w["start"])
+        for (i, w), t in zip(indexed, threads, strict=True)
     ]
-    base = min(t for t, _, _ in rows)
-    x = np.array([r[1] for r in rows if r[0] == base])
-    y = np.array([r[2] for r in rows if r[0] == base])
-    coef = nnls(x, y)
+    coef, rows = _even_paces(rows, runs, "decode", notes)
+    x = np.array([xx for _, b, xx, _ in rows if b])
+    y = np.array([yy for _, b, _, yy in rows if b])
     r2 = _r2(x, y, coef)
     notes.append(f"decode fit over {len(y)} windows on {base} thread(s): R^2 {r2:.3f}")
     _check_fit(r2, "decode", notes)
-    speedup = _speedups([(t, xx, yy) for t, xx, yy in rows], coef, notes, "decode")
+    timed = [(t, xx, yy) for t, (_, _, xx, yy) in zip(threads, rows, strict=True)]
+    speedup = _speedups(timed, coef, notes, "decode")
     if base != 1:  # the fit is of `base` threads; express it against one
         notes.append(f"decode: no one-thread window; costs are of {base} threads")
-    return DecodeCost(*map(float, coef), speedup=speedup, group_s=_group_s(runs, windows, notes))
+    return DecodeCost(*map(float, coef), speedup=speedup, group_s=group_s)
 
 
-def _group_s(runs: list[Run], windows: list[dict], notes: list[str]) -> float:
+def _group_s(runs: list[Run], notes: list[str]) -> float:
     """Server time per group outside decode steps: the servers' generate spans (requests in
     flight) less their decode windows, over the groups generated."""
+    windows = [w for run in runs for w in _spans(run, "server", "decode")]
     generating = sum(e["end"] - e["start"] for r in runs for e in _spans(r, "server", "generate"))
     stepping = sum(w["end"] - w["start"] for w in windows)
     groups = sum(sum(len(b["output_len"]) for b in r.batches) / _group_size(r) for r in runs)
@@ -172,13 +239,16 @@ def _group_s(runs: list[Run], windows: list[dict], notes: list[str]) -> float:
 
 
 def fit_train(runs: list[Run], notes: list[str]) -> TrainCost:
-    def work(kind: str) -> list[tuple[dict, float]]:
-        """Rank 0's spans of `kind` that carry their work, with the cores lent under each."""
+    step_s, rpc_s = _trainer_gaps(runs)
+    runs = [_steady(run) for run in runs]
+
+    def work(kind: str) -> list[tuple[int, dict, float]]:
+        """Rank 0's spans of `kind` that carry their work: (run index, span, cores lent)."""
         out = []
-        for run in runs:
+        for i, run in enumerate(runs):
             borrows = _spans(run, "trainer0", "borrow")
             spans = [s for s in _spans(run, "trainer0", kind) if "tokens" in s]
-            out += [(s, _borrowed(s, borrows)) for s in spans]
+            out += [(i, s, _borrowed(s, borrows)) for s in spans]
         return out
 
     updates = work("update")
@@ -189,32 +259,40 @@ def fit_train(runs: list[Run], notes: list[str]) -> TrainCost:
             "at least 20 steps made by this version of areal, with stats.events=true"
         )
 
-    def fit(spans: list[tuple[dict, float]], cols: tuple[str, ...], what: str):
-        rows = []
-        for s, lent in spans:
-            feats = np.array([s.get(c, 1) if c != "one" else 1 for c in cols], float)
-            rows.append((lent, feats, s["end"] - s["start"]))
-        x = np.array([f for e, f, _ in rows if e < 0.2])  # (nearly) on its own share
-        y = np.array([d for e, _, d in rows if e < 0.2])
-        if len(y) < MIN_SPANS:  # everything on lent cores: fit all, say so
-            x = np.array([f for _, f, _ in rows])
-            y = np.array([d for _, _, d in rows])
+    def fit(spans: list[tuple[int, dict, float]], cols: tuple[str, ...], what: str):
+        # The base rows: spans (nearly) on the trainer's own share.
+        rows = [
+            (i, lent < 0.2, np.array([s.get(c, 1) if c != "one" else 1 for c in cols], float),
+             s["end"] - s["start"])
+            for i, s, lent in spans
+        ]  # fmt: skip
+        if sum(b for _, b, _, _ in rows) < MIN_SPANS:  # everything on lent cores: fit all
+            rows = [(i, True, x, y) for i, _, x, y in rows]
             notes.append(f"{what}: too few one-thread spans; fitted over all of them")
         # A column that never varies (a minibatch's sequences, with a fixed batch) is the
         # constant's: fitting both would split one cost between them at random.
-        keep = [j for j, c in enumerate(cols) if c == "one" or x[:, j].std() > 0]
-        coef = np.zeros(len(cols))
-        coef[keep] = nnls(x[:, keep], y)
+        base_x = np.array([x for _, b, x, _ in rows if b])
+        keep = [j for j, c in enumerate(cols) if c == "one" or base_x[:, j].std() > 0]
+
+        def solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+            coef = np.zeros(len(cols))
+            coef[keep] = nnls(x[:, keep], y)
+            return coef
+
+        coef, rows = _even_paces(rows, runs, what, notes, fit=solve)
+        x = np.array([xx for _, b, xx, _ in rows if b])
+        y = np.array([yy for _, b, _, yy in rows if b])
         r2 = _r2(x, y, coef)
         notes.append(f"{what} fit over {len(y)} spans: R^2 {r2:.3f}")
         _check_fit(r2, what, notes)
         dropped = [c for j, c in enumerate(cols) if j not in keep]
         if dropped:
             notes.append(f"{what}: {', '.join(dropped)} never varied; counted in the constant")
-        return coef, [(x @ coef, t, e) for e, x, t in rows]
+        lent = [e for _, _, e in spans]
+        return coef, [(xx @ coef, t, e) for (_, _, xx, t), e in zip(rows, lent, strict=True)]
 
     # Micro-batches add a column only where their count varies (else it is the constant).
-    varies = len({s.get("mbs", 1) for s, _ in updates}) > 1
+    varies = len({s.get("mbs", 1) for _, s, _ in updates}) > 1
     cols = ("tokens", "seqs", "mbs", "one") if varies else ("tokens", "seqs", "one")
     coef, lent = fit(updates, cols, "update")
     token_s, seq_s = coef[0], coef[1]
@@ -227,7 +305,6 @@ def fit_train(runs: list[Run], notes: list[str]) -> TrainCost:
     else:
         pc = np.array([token_s / 3, seq_s / 3, 0.0])
         notes.append("proximal: too few spans; a third of an update's costs assumed")
-    step_s, rpc_s = _trainer_gaps(runs)
     return TrainCost(
         token_s=float(token_s),
         seq_s=float(seq_s),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -259,10 +260,14 @@ def synthetic_run(
     seed: int = 1,
     noise: float = 0.02,
     lent_speed: float = 1.5,
+    slow: float = 1.0,
+    warmup_slow: float = 1.0,
 ) -> Path:
     """A run directory whose spans follow known costs (+-2% noise): what calibrate reads.
     A decode step costs the cells its attention read (more than its rows' contexts); every
-    other step's updates run on a lent core, 1.5x faster."""
+    other step's updates run on a lent core, 1.5x faster; `slow` stretches every decode
+    window and update (a machine busy with other work), `warmup_slow` those of the first
+    fifth of the steps."""
     rng = random.Random(seed)
     path.mkdir(parents=True)
     cfg = {"experiment_name": "synthetic", "trial_name": "run0", "max_staleness": 2,
@@ -272,6 +277,7 @@ def synthetic_run(
     t = 1000.0
     metrics, batches = [], []
     for step in range(steps):
+        stretch = slow * (warmup_slow if step < steps // 5 else 1.0)
         wait_start = t  # the trainer waits while the server decodes
         for _ in range(6):  # decode windows, some on two threads (1.6x faster)
             f = dict(steps=rng.randint(5, 60), rows=0, read=0, prefill=0, prefill_rows=0)
@@ -281,7 +287,7 @@ def synthetic_run(
             f["prefill"] = f["prefill_rows"] * rng.randint(10, 300)
             threads = 2 if rng.random() < 0.3 else 1
             dur = sum(DECODE[k] * f[c] for k, c in zip(DECODE, f, strict=True))
-            dur *= rng.uniform(0.98, 1.02) / (1.6 if threads == 2 else 1)
+            dur *= stretch * rng.uniform(0.98, 1.02) / (1.6 if threads == 2 else 1)
             cells = int(f["read"] / rng.uniform(1, 3))  # chunks read past short rows
             lines["server0"].append({"kind": "decode", "start": t, "end": t + dur,
                                      "threads": threads, "cells": cells, **f})  # fmt: skip
@@ -299,7 +305,7 @@ def synthetic_run(
         for mb in (outs[0::2], outs[1::2]):
             tokens, seqs = sum(mb) + 12 * len(mb), len(mb)
             dur = TRAIN["token_s"] * tokens + TRAIN["seq_s"] * seqs + TRAIN["minibatch_s"]
-            dur *= rng.uniform(1 - noise, 1 + noise) / (lent_speed if lent else 1)
+            dur *= stretch * rng.uniform(1 - noise, 1 + noise) / (lent_speed if lent else 1)
             update = {"kind": "update", "start": t, "end": t + dur, "version": step}
             lines["trainer0"].append({**update, "tokens": tokens, "seqs": seqs, "mbs": 1})
             t += dur
@@ -360,6 +366,30 @@ def test_calibration_pools_runs_and_takes_the_first_runs_lengths(tmp_path):
     assert p.lengths.groups == calibrate(a, cores=2).lengths.groups  # the planned config's
     assert len(p.lengths.groups) == 30 * 2
     assert len(p.lengths.groups) == 60 and all(len(set(g)) == 1 for g in p.lengths.groups)
+
+
+def test_one_slow_profiling_run_among_three_moves_no_cost(tmp_path):
+    runs = [synthetic_run(tmp_path / f"r{i}", seed=i, slow=s) for i, s in enumerate((1, 1.5, 1))]
+    p = calibrate(runs, cores=2)
+    assert p.decode.step_s == pytest.approx(DECODE["step_s"], rel=0.1)
+    assert p.decode.cell_s == pytest.approx(DECODE["cell_s"], rel=0.1)
+    assert p.train.token_s == pytest.approx(TRAIN["token_s"], rel=0.1)
+    assert p.decode.speedup[2] == pytest.approx(1.6, rel=0.05)
+    assert p.train.speedup[2] == pytest.approx(1.5, rel=0.05)
+    paces = next(n for n in p.notes if n.startswith("decode: each run's time"))
+    times = dict(re.findall(r"(r\d) ([\d.]+)x", paces))
+    assert float(times["r1"]) == pytest.approx(1.5, rel=0.05) and paces.endswith("the median")
+    assert float(times["r0"]) == pytest.approx(1.0, abs=0.02), paces
+    assert any(n.startswith("warning: ") and re.search(r"/r1 took 1\.[45]", n) for n in p.notes)
+    # Pooled as they were (the slow run's spans as measured), every cost would be ~1.17x.
+    pooled = calibrate([runs[1]], cores=2)
+    assert pooled.decode.step_s == pytest.approx(1.5 * DECODE["step_s"], rel=0.1)
+
+
+def test_the_first_fifth_of_a_profiling_run_is_left_out(tmp_path):
+    p = calibrate(synthetic_run(tmp_path / "run", warmup_slow=3.0), cores=2)
+    assert p.decode.step_s == pytest.approx(DECODE["step_s"], rel=0.1)
+    assert p.train.token_s == pytest.approx(TRAIN["token_s"], rel=0.1)
 
 
 def test_nnls_keeps_costs_non_negative():
