@@ -37,7 +37,7 @@ of them. In runs of configs/tiny_longtail.yaml (40 steps, median of 3, 2026-11-2
 decode step on a borrowed second thread took 1.09x its one-thread time (alone it is 0.67-0.77x
 at 128 rows), single steps at max_staleness 2 up to 0.6 s against 7 ms: with servers not
 borrowing, 5,983 -> 7,066 tok/s at max_staleness 4 and 6,711 -> 7,634 at 8. The trainer's
-layers are larger: on a lent core they ran 1.16x faster.
+layers are larger: on a lent core they ran 1.02-1.16x faster (two profiles of that config).
 
 A role that computes on lent shares records it as a `borrow` span (areal/events.py), with
 `lent` the shares borrowed: the report's timeline then counts a lane that waits while its
