@@ -5,6 +5,7 @@ the trainer's log-probs, a checkpoint resumes exactly, and export writes the mer
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from areal.lora import (
     lora_layers,
 )
 from areal.models.tiny import build_tokenizer, make_tiny_model, tiny_config
-from areal.rollout.engine import DecodeEngine
+from areal.rollout.engine import DecodeEngine, SamplingParams
 from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import DataParallel
 from areal.trainer.torch_backend import TorchBackend
@@ -160,6 +161,38 @@ def test_the_engine_serves_base_plus_adapter_with_the_trainers_logprobs(model_di
     (bad / ADAPTER_CONFIG).write_text("{}")
     ok, message, _ = engine.update_weights(str(bad))
     assert not ok and "adapter" in message
+
+
+def test_an_adapter_update_interrupts_generation_which_resumes_on_the_adapter(
+    model_dir, tmp_path
+):
+    """The rollout worker's interruption with an adapter as the new version: the update
+    aborts the running request with its partial output (the base's tokens), and the
+    resubmitted prompt + partial output generates on base + adapter, as the trainer sees."""
+    backend = make_backend(model_dir)
+    _step(backend, 1)
+    backend.save_hf(tmp_path / "v1")
+    engine = DecodeEngine.from_dir(str(model_dir))
+    params = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
+    running = engine.submit("a", SEQS[0], params)
+    deadline = time.monotonic() + 30
+    while engine.stats()["total_generated_tokens"] < 10:
+        assert time.monotonic() < deadline, "the engine generated nothing"
+        time.sleep(0.002)
+    ok, message, _ = engine.update_weights(str(tmp_path / "v1"), 1, abort_all_requests=True)
+    assert ok, message
+    part = running.result(timeout=30)
+    assert part.finish_reason["type"] == "abort" and 0 < len(part.output_ids) < 400
+    n = len(part.output_ids)
+    rest = engine.submit("a2", SEQS[0] + part.output_ids, SamplingParams(
+        max_new_tokens=20, temperature=1.0, ignore_eos=True)).result(timeout=30)  # fmt: skip
+    assert rest.weight_version == 1 and len(rest.output_ids) == 20
+    seq = SEQS[0] + part.output_ids + rest.output_ids
+    want = backend.forward([[seq]])[0][len(SEQS[0]) - 1 :]
+    base = make_backend(model_dir).forward([[seq]])[0][len(SEQS[0]) - 1 :]
+    assert (torch.tensor(part.logprobs) - base[:n]).abs().max() < 1e-5  # before: the base
+    assert (torch.tensor(rest.logprobs) - want[n:]).abs().max() < 1e-5  # after: the adapter
+    assert (want[n:] - base[n:]).abs().max() > 1e-4  # which differ
 
 
 def test_a_lora_checkpoint_resumes_exactly(model_dir, tmp_path):
