@@ -163,9 +163,7 @@ def test_the_engine_serves_base_plus_adapter_with_the_trainers_logprobs(model_di
     assert not ok and "adapter" in message
 
 
-def test_an_adapter_update_interrupts_generation_which_resumes_on_the_adapter(
-    model_dir, tmp_path
-):
+def test_an_adapter_update_interrupts_generation_which_resumes_on_the_adapter(model_dir, tmp_path):
     """The rollout worker's interruption with an adapter as the new version: the update
     aborts the running request with its partial output (the base's tokens), and the
     resubmitted prompt + partial output generates on base + adapter, as the trainer sees."""
