@@ -9,8 +9,7 @@ step; each layer of the trainer's forward and backward) a role sets its torch th
 its share plus an equal part of the shares of the peers that have waited BORROW_AFTER_S
 (several borrowers split a lent share; their threads never exceed the node's cores, so
 with more roles than cores nobody borrows). On a 2-core laptop the trainer so trains on
-both cores while the server is held by eta, and the server generates on both while the
-trainer waits for its batch.
+both cores while the server is held by eta; a server lends but does not borrow (below).
 
 Two threads on one core cost far more than one idle core (a 2-thread training step beside
 a busy 1-thread server took 1.6x as long as with one thread each): a role that starts
@@ -27,9 +26,18 @@ at eta=4 with one training batch in flight (rollout.max_concurrent=0): 2,341 -> 
 of each step and the trainer takes its core. With many more rows in flight than one batch,
 every update interrupts them all and the re-prefills keep the server busy: nothing to lend.
 
-    ledger slot (two doubles): [waiting since (CLOCK_MONOTONIC, node-wide) or 0 = working,
-                                threads in use]
+    ledger slot (three doubles): [waiting since (CLOCK_MONOTONIC, node-wide) or 0 = working,
+                                  threads in use, 1 if it borrows]
     a new ledger reads 0: every role working, no share lent before its owner says so
+
+Servers lend and never borrow (role_cores(borrows=False)): a decode step is some fifty small
+parallel regions, and a borrowed thread that any other process of the node preempts (the
+controller, a rollout worker, the reward service, the server's own HTTP thread) stalls each
+of them. In runs of configs/tiny_longtail.yaml (40 steps, median of 3, 2026-11-29) a server's
+decode step on a borrowed second thread took 1.09x its one-thread time (alone it is 0.67-0.77x
+at 128 rows), single steps at max_staleness 2 up to 0.6 s against 7 ms: with servers not
+borrowing, 5,983 -> 7,066 tok/s at max_staleness 4 and 6,711 -> 7,634 at 8. The trainer's
+layers are larger: on a lent core they ran 1.02-1.16x faster (two profiles of that config).
 
 A role that computes on lent shares records it as a `borrow` span (areal/events.py), with
 `lent` the shares borrowed: the report's timeline then counts a lane that waits while its
@@ -144,14 +152,16 @@ def role_threads(configured: int) -> int:
     return max(1, node_cores() // max(1, int(os.environ.get(CPU_SHARE_ENV, "1"))))
 
 
-def role_cores(configured: int) -> Cores:
-    """The threads of a computing role: role_threads, plus the shares its node's waiting
-    roles lend where the launcher gave it a ledger (configured > 0: fixed, lends nothing)."""
+def role_cores(configured: int, borrows: bool = True) -> Cores:
+    """The threads of a computing role: role_threads, plus (if it `borrows`) the shares its
+    node's waiting roles lend where the launcher gave it a ledger (configured > 0: fixed,
+    lends nothing)."""
     ledger = os.environ.get(CPU_LEDGER_ENV)
     if configured > 0 or not ledger:
         return Cores(role_threads(configured))
     roles = int(os.environ.get(CPU_SHARE_ENV, "1"))
-    return Cores(role_threads(0), Path(ledger), int(os.environ[CPU_SLOT_ENV]), roles)
+    slot = int(os.environ[CPU_SLOT_ENV])
+    return Cores(role_threads(0), Path(ledger), slot, roles, borrows=borrows)
 
 
 def ledger_path(exp_dir: str | Path) -> str:
@@ -167,8 +177,12 @@ def _remove(ledger: Path) -> None:
         os.unlink(ledger)
 
 
+SLOT = 3
+"""Doubles per ledger slot: waiting since, threads, borrows."""
+
+
 def _open_ledger(ledger: Path, slots: int) -> memoryview:
-    size = 16 * slots
+    size = 8 * SLOT * slots
     fd = os.open(ledger, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         if os.fstat(fd).st_size < size:
@@ -204,7 +218,7 @@ class Grading:
     def _add(self, n: int) -> None:
         self.busy += n
         if self._ledger is not None:
-            self._ledger[2 * self._slot + 1] = min(self.busy, node_cores())
+            self._ledger[SLOT * self._slot + 1] = min(self.busy, node_cores())
 
 
 class Cores:
@@ -222,8 +236,10 @@ class Cores:
         slot: int = 0,
         roles: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        borrows: bool = True,
     ) -> None:
         self.clock = clock
+        self.borrows = borrows
         self.share = max(1, share)
         self.limit = max(self.share, node_cores())
         self.slot = slot
@@ -237,6 +253,7 @@ class Cores:
         self._grading = roles  # the grading slot
         if ledger is not None and roles > 1:
             self._ledger = _open_ledger(ledger, roles + 1)
+            self._ledger[SLOT * slot + 2] = float(borrows)
         self._set(self.share)
 
     def work(self) -> None:
@@ -247,7 +264,7 @@ class Cores:
             return
         self._working_since = self.clock()
         if self._ledger is not None:
-            self._ledger[2 * self.slot] = 0.0
+            self._ledger[SLOT * self.slot] = 0.0
             deadline = self._working_since + RETURN_WAIT_S
             while self._peers_hold_mine() and self.clock() < deadline:
                 time.sleep(0.002)
@@ -259,26 +276,27 @@ class Cores:
         self._end_borrow()
         self._working_since = None
         if self._ledger is not None:
-            self._ledger[2 * self.slot] = self.clock()
+            self._ledger[SLOT * self.slot] = self.clock()
 
     @property
     def lending(self) -> bool:
         """Whether the ledger says this role waits (its share lent to peers with work)."""
-        return self._ledger is not None and self._ledger[2 * self.slot] > 0
+        return self._ledger is not None and self._ledger[SLOT * self.slot] > 0
 
     def adapt(self) -> int:
         """Set the threads for the next unit of work: the share plus its part of the lent cores."""
-        if self._ledger is not None:
+        if self._ledger is not None and self.borrows:
             # The cores beside the shares of the roles that hold theirs (working, or waiting
-            # less than BORROW_AFTER_S) go to those roles in equal parts, the remainder to
-            # the lowest slots: two borrowers never take the same lent share, and where
-            # shares alone fill the node (more roles than cores) nobody borrows.
+            # less than BORROW_AFTER_S) go to those of them that borrow in equal parts, the
+            # remainder to the lowest slots: two borrowers never take the same lent share,
+            # and where shares alone fill the node (more roles than cores) nobody borrows.
             now, ledger = self.clock(), self._ledger
             holders = [self.slot]
-            holders += [i for i in self._peers if not 0 < ledger[2 * i] <= now - BORROW_AFTER_S]
-            free = self.limit - self.share * len(holders) - int(ledger[2 * self._grading + 1])
-            extra, rest = divmod(max(0, free), len(holders))
-            extra += sorted(holders).index(self.slot) < rest
+            holders += [i for i in self._peers if not 0 < ledger[SLOT * i] <= now - BORROW_AFTER_S]
+            free = self.limit - self.share * len(holders) - int(ledger[SLOT * self._grading + 1])
+            borrowers = sorted(i for i in holders if i == self.slot or ledger[SLOT * i + 2])
+            extra, rest = divmod(max(0, free), len(borrowers))
+            extra += borrowers.index(self.slot) < rest
             self._set(self.share + extra)
             if self.threads > self.share and self._borrowing_since is None:
                 self._borrowing_since = time.time()
@@ -327,8 +345,8 @@ class Cores:
         beside it, or than their own shares where shares alone fill the node (a waiting
         peer's threads sleep)."""
         ledger = self._ledger
-        working = [i for i in self._peers if ledger[2 * i] == 0]
-        threads = sum(ledger[2 * i + 1] or self.share for i in working)
+        working = [i for i in self._peers if ledger[SLOT * i] == 0]
+        threads = sum(ledger[SLOT * i + 1] or self.share for i in working)
         return threads > max(self.limit - self.share, self.share * len(working))
 
     def _account(self) -> None:
@@ -353,4 +371,4 @@ class Cores:
             torch.set_num_threads(threads)
             self.threads = threads
             if self._ledger is not None:
-                self._ledger[2 * self.slot + 1] = threads
+                self._ledger[SLOT * self.slot + 1] = threads

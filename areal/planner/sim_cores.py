@@ -1,7 +1,8 @@
 """The simulation's cores (CPU profiles): each computing role's threads and speed.
 
     role starts waiting --BORROW_AFTER_S later, if still waiting--> its share is lent
-    threads = share + an equal part of the lent cores (areal/cores.py's Cores.adapt)
+    threads = share + an equal part of the lent cores (areal/cores.py's Cores.adapt); a
+              server lends but never borrows: its threads are its share
     rate = the profile's speed-up at those threads x min(1, cores / threads working)
     a change of who works --> every role's threads; the listeners (servers, trainer) re-rate
 
@@ -27,6 +28,8 @@ class _Role:
     waiting_since: float | None = 0.0
     """Since when it waits (the ledger's slot); None while it works."""
     threads: int = 1
+    borrows: bool = True
+    """Whether it takes lent cores (the trainer; servers lend only, areal/cores.py)."""
     busy: list[tuple[float, float]] = field(default_factory=list)
     busy_since: float | None = None
 
@@ -81,17 +84,19 @@ class CoreModel:
             self._retune()
 
     def _threads(self, role: _Role) -> int:
-        if not self.cpu or not self.lend:
+        if not self.cpu or not self.lend or not role.borrows:
             return self.share
-        # Cores.adapt: the cores beside the holders' shares go to the holders in equal parts.
+        # Cores.adapt: the cores beside the holders' shares go to those of them that borrow,
+        # in equal parts.
         lent_before = self.events.now - BORROW_AFTER_S + 1e-12
         holders = [
-            r.slot
+            r
             for r in self.roles
             if r is role or r.waiting_since is None or r.waiting_since > lent_before
         ]
-        extra, rest = divmod(max(0, self.limit - self.share * len(holders)), len(holders))
-        extra += sorted(holders).index(role.slot) < rest
+        borrowers = sorted(r.slot for r in holders if r.borrows)
+        extra, rest = divmod(max(0, self.limit - self.share * len(holders)), len(borrowers))
+        extra += borrowers.index(role.slot) < rest
         return self.share + extra
 
     def _retune(self) -> None:

@@ -93,6 +93,7 @@ class _Segment:
 
 @dataclass(eq=False)
 class _Server(_Role):
+    borrows: bool = False  # a server lends its core but never borrows (areal/cores.py)
     index: int = 0
     version: int = 0
     clock: int = 0

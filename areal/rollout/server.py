@@ -334,7 +334,7 @@ async def serve(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             max_total_tokens=args.max_total_tokens,
             seed=args.seed,
-            num_threads=role_cores(args.num_threads),
+            num_threads=role_cores(args.num_threads, borrows=False),  # lends only: cores.py
             weight_version=args.weight_version,
             dtype=getattr(torch, args.dtype),
             device=args.device,

@@ -138,8 +138,8 @@ def test_borrowers_split_a_lent_share_and_never_exceed_the_cores(tmp_path, monke
     (on 2 cores, 4 threads spinning on them made a decode step 5x as costly)."""
     monkeypatch.setattr(cores, "node_cores", lambda: 64)
     ledger, clock = tmp_path / "ledger", FakeClock()
-    trainer, s1, s2 = (Cores(16, ledger, slot, 4, clock) for slot in range(3))  # a 4th works
-    for role in (trainer, s1, s2):
+    trainer, s1, s2, s3 = (Cores(16, ledger, slot, 4, clock) for slot in range(4))
+    for role in (trainer, s1, s2, s3):
         role.work()
     assert [r.adapt() for r in (trainer, s1, s2)] == [16, 16, 16]  # nothing lent
     trainer.wait()
@@ -151,6 +151,25 @@ def test_borrowers_split_a_lent_share_and_never_exceed_the_cores(tmp_path, monke
     assert_polling(back, clock, "the trainer started beside borrowers still holding its share")
     assert [s1.adapt(), s2.adapt()] == [16, 16]
     assert_returns(back)
+
+
+def test_servers_lend_but_never_borrow(tmp_path, monkeypatch) -> None:
+    """A server (borrows=False) lends its share and keeps its own; the cores it would have
+    borrowed go to the roles that borrow (server.py: a decode step's small parallel regions
+    stall on a borrowed thread that any other process preempts)."""
+    monkeypatch.setattr(cores, "node_cores", lambda: 64)
+    ledger, clock = tmp_path / "ledger", FakeClock()
+    trainer = Cores(16, ledger, 0, 4, clock)
+    servers = [Cores(16, ledger, slot, 4, clock, borrows=False) for slot in (1, 2, 3)]
+    for role in (trainer, *servers):
+        role.work()
+    servers[0].wait()
+    clock.advance(BORROW_AFTER_S * 1.1)
+    assert trainer.adapt() == 32 and [s.adapt() for s in servers[1:]] == [16, 16]
+    trainer.wait()
+    servers[0].work()
+    clock.advance(BORROW_AFTER_S * 1.1)
+    assert [s.adapt() for s in servers] == [16, 16, 16]
 
 
 def test_more_roles_than_cores_lend_nothing_and_never_wait(tmp_path, monkeypatch) -> None:
