@@ -10,7 +10,7 @@
     hand-off     = publish_s (trainer) + fanout_s (controller) ; load_s (each server)
     controller   = controller[data plane] CPU seconds per trajectory on its one core: a plan
                    that needs more trajectories a second than 1 / that runs at that limit
-    lengths      = the output lengths of whole groups (resampled), or a lognormal
+    lengths      = the output lengths of whole groups (dealt shuffled), or a lognormal
 
 `cells` is the KV cache the step reads: on a GPU (paged attention) its rows' contexts (prompt +
 output so far); on a CPU the embedded engine reads chunks of neighbouring rows up to each
@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -129,27 +130,33 @@ class Lengths:
     profile): `between` is the share of the log-variance that a group's prompt sets (0:
     its samples are independent; 1: all alike)."""
 
-    def sample(self, rng: random.Random, group_size: int, cap: int) -> list[int]:
+    def draws(self, rng: random.Random, group_size: int, cap: int) -> Iterator[list[int]]:
+        """Groups' output lengths, one group per next(). Whole groups are dealt like a
+        shuffled deck, each once before any again: drawn with replacement from a long tail
+        (tiny_longtail's), a 40-step simulation's mean length ranged from 14% under its
+        pool's to 10% over across ten seeds."""
         if self.groups:
-            group = rng.choice(self.groups)
-            if len(group) != group_size:  # another config's group size: draw from the group
-                group = [rng.choice(group) for _ in range(group_size)]
-            return [max(1, min(cap, int(n))) for n in group]
+            while True:
+                for group in rng.sample(self.groups, len(self.groups)):
+                    if len(group) != group_size:  # another config's group size
+                        group = [rng.choice(group) for _ in range(group_size)]
+                    yield [max(1, min(cap, int(n))) for n in group]
         assert self.lognormal is not None
         median, sigma, between = (*self.lognormal, 0.0)[:3]
-        center = math.log(median) + rng.gauss(0.0, sigma * math.sqrt(between))
-        within = sigma * math.sqrt(1 - between)
-        return [
-            max(1, min(cap, int(math.exp(center + rng.gauss(0.0, within)))))
-            for _ in range(group_size)
-        ]
+        while True:
+            center = math.log(median) + rng.gauss(0.0, sigma * math.sqrt(between))
+            within = sigma * math.sqrt(1 - between)
+            yield [
+                max(1, min(cap, int(math.exp(center + rng.gauss(0.0, within)))))
+                for _ in range(group_size)
+            ]
 
     def mean(self, cap: int) -> float:
         if self.groups:
             flat = [min(cap, n) for g in self.groups for n in g]
             return sum(flat) / len(flat)
-        rng = random.Random(0)
-        return sum(sum(self.sample(rng, 1, cap)) for _ in range(4000)) / 4000
+        draws = self.draws(random.Random(0), 1, cap)
+        return sum(next(draws)[0] for _ in range(4000)) / 4000
 
 
 @dataclass

@@ -56,7 +56,9 @@ class ControllerModel:
         prompt: int,
     ):
         self.events, self.p, self.s = events, profile, setting
-        self.rng = random.Random(setting.seed)
+        self.lengths = profile.lengths.draws(
+            random.Random(setting.seed), setting.group_size, setting.max_new_tokens
+        )
         self.prompt = prompt
         self.gate = StalenessGate(setting.batch_size, setting.max_staleness, setting.max_concurrent)
         self.buffer = buffer
@@ -77,8 +79,7 @@ class ControllerModel:
             k = min(range(len(self.load)), key=lambda i: self.load[i])  # router.pick
             self.load[k] += 1
             group = _Group(gid, start_version, k)
-            lengths = self.p.lengths.sample(self.rng, self.s.group_size, self.s.max_new_tokens)
-            group.reqs = [_Req(self.prompt, n, group) for n in lengths]
+            group.reqs = [_Req(self.prompt, n, group) for n in next(self.lengths)]
             arrival = self.events.now + self.p.group_overhead_s / 2
             self.events.at(arrival, self.servers.arrive, group)
         self._track_held()

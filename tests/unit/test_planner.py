@@ -7,6 +7,7 @@ import importlib.util
 import json
 import random
 import re
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,19 @@ def test_without_interrupts_updates_wait_for_running_samples():
     assert drain.interrupted == 0 and interrupt.interrupted > 0
     assert drain.staleness_max <= 4
     assert drain.throughput < interrupt.throughput
+
+
+def test_groups_are_dealt_each_once_before_any_again():
+    """A long tail drawn with replacement moves a short simulation's mean length by a tenth
+    from one seed to the next; dealt like a deck, every pass is the pool itself."""
+    groups = [[n] * 4 for n in (5, 10, 20, 400, 7, 9)]
+    draws = Lengths(prompt_len=10, groups=groups).draws(random.Random(3), 4, cap=300)
+    first, second = [next(draws) for _ in groups], [next(draws) for _ in groups]
+    want = sorted([min(300, g[0])] * 4 for g in groups)
+    assert sorted(first) == sorted(second) == want and first != second
+    # Another config's group size draws within a dealt group.
+    assert all(len(set(g)) == 1 and len(g) == 2 for g in islice(
+        Lengths(prompt_len=10, groups=groups).draws(random.Random(3), 2, cap=300), 12))  # fmt: skip
 
 
 def test_a_step_reads_the_engines_chunks_of_rows():
