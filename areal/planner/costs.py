@@ -143,9 +143,9 @@ class Lengths:
                     yield [max(1, min(cap, int(n))) for n in group]
         assert self.lognormal is not None
         median, sigma, between = (*self.lognormal, 0.0)[:3]
+        spread, within = sigma * math.sqrt(between), sigma * math.sqrt(1 - between)
         while True:
-            center = math.log(median) + rng.gauss(0.0, sigma * math.sqrt(between))
-            within = sigma * math.sqrt(1 - between)
+            center = math.log(median) + rng.gauss(0.0, spread)
             yield [
                 max(1, min(cap, int(math.exp(center + rng.gauss(0.0, within)))))
                 for _ in range(group_size)

@@ -5,7 +5,7 @@ the trainer's log-probs, a checkpoint resumes exactly, and export writes the mer
 from __future__ import annotations
 
 import json
-import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +28,7 @@ from areal.trainer.optimizer import OptimizerSpec
 from areal.trainer.parallel import DataParallel
 from areal.trainer.torch_backend import TorchBackend
 from areal.trainer.worker import load_trainer_part, write_trainer_part
+from tests.unit.test_engine_cache import _wait_tokens
 
 SEQS = [[5, 9, 14, 3, 22, 7, 1], [40, 2, 2], [11, 12, 13, 14, 15], [30, 31]]
 SPEC = LoRASpec(rank=4, alpha=8.0)
@@ -173,17 +174,14 @@ def test_an_adapter_update_interrupts_generation_which_resumes_on_the_adapter(mo
     engine = DecodeEngine.from_dir(str(model_dir))
     params = SamplingParams(max_new_tokens=400, temperature=1.0, ignore_eos=True)
     running = engine.submit("a", SEQS[0], params)
-    deadline = time.monotonic() + 30
-    while engine.stats()["total_generated_tokens"] < 10:
-        assert time.monotonic() < deadline, "the engine generated nothing"
-        time.sleep(0.002)
+    _wait_tokens(engine, 10)
     ok, message, _ = engine.update_weights(str(tmp_path / "v1"), 1, abort_all_requests=True)
     assert ok, message
     part = running.result(timeout=30)
     assert part.finish_reason["type"] == "abort" and 0 < len(part.output_ids) < 400
     n = len(part.output_ids)
-    rest = engine.submit("a2", SEQS[0] + part.output_ids, SamplingParams(
-        max_new_tokens=20, temperature=1.0, ignore_eos=True)).result(timeout=30)  # fmt: skip
+    rest = engine.submit("a2", SEQS[0] + part.output_ids, replace(params, max_new_tokens=20))
+    rest = rest.result(timeout=30)
     assert rest.weight_version == 1 and len(rest.output_ids) == 20
     seq = SEQS[0] + part.output_ids + rest.output_ids
     want = backend.forward([[seq]])[0][len(SEQS[0]) - 1 :]
