@@ -3,14 +3,16 @@ staleness, its recommendation against a hand-measured grid, and the paper's 1.5B
 
     python benchmarks/planner.py [--configs tiny,tiny_longtail] [--max-staleness 0,1,2,4,8,16]
         [--servers 1,2] [--steps tiny=200,tiny_longtail=40] [--fileroot DIR]
-        [--model CONFIG=DIR ...] [--repeats 3] [--reuse] [--timeout-s 900] [--no-paper]
+        [--model CONFIG=DIR ...] [--repeats 3] [--reuse] [--timeout-s 900] [--warm-steps N]
+        [--no-paper]
 
 Per config: THREE profiling runs (the config as it is twice, and at max_staleness=0, `--steps`
 steps each) are calibrated (areal/planner/calibrate.py); every grid point (servers x max_staleness)
 is then `--repeats` runs of its own (taken round the grid; the medians of throughput and of
 staleness are compared), predicted from that profile alone, never from themselves. Effective
 throughput is the paper's (benchmarks/tiny_run.effective_throughput: tokens trained per
-second, the first fifth of the steps left out); staleness is the mean over the same steps.
+second, the first fifth of the steps left out, or the first --warm-steps); staleness is the
+mean over the same steps, in the runs and in the simulations alike.
 Runs go one at a time. The "own lens" column predicts with the same costs on the answer
 lengths that run trained on: the policy sets them (they move with max_staleness and by
 chance), and tokens/s moves with them.
@@ -32,7 +34,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from tiny_run import ROOT, effective_throughput, train_tiny
+from tiny_run import ROOT, train_tiny
 
 sys.path.insert(0, str(ROOT))
 
@@ -40,7 +42,7 @@ from areal.config import load_config  # noqa: E402
 from areal.planner.__main__ import plan_grid, recommend  # noqa: E402
 from areal.planner.calibrate import calibrate, fit_lengths  # noqa: E402
 from areal.planner.costs import gpu_h200, load_profile  # noqa: E402
-from areal.planner.sim import Setting, simulate  # noqa: E402
+from areal.planner.sim import Setting, Simulation, effective_throughput, simulate  # noqa: E402
 from areal.report.data import load_run  # noqa: E402
 
 SIM_SEEDS = 10  # the simulation deals its groups in a random order: the mean of ten orders
@@ -62,25 +64,35 @@ def run(args: argparse.Namespace, config: Path, name: str, overrides: list[str])
     return path
 
 
-def measured(path: Path) -> tuple[float, float]:
+def window(steps: int, warm: int | None) -> int:
+    """The steps left out before throughput and staleness are counted (None: a fifth)."""
+    return steps // 5 if warm is None else warm
+
+
+def measured(path: Path, warm: int | None) -> tuple[float, float]:
     m = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
-    warm = len(m) // 5
-    return effective_throughput(m), statistics.mean(x["staleness/mean"] for x in m[warm + 1 :])
-
-
-def predict(profile, cfg, max_staleness: int, servers: int, steps: int):
-    settings = (
-        Setting.from_config(
-            cfg, max_staleness=max_staleness, n_servers=servers, steps=steps, seed=s
-        )
-        for s in range(1, SIM_SEEDS + 1)
-    )
-    rs = [simulate(profile, s) for s in settings]
+    w = window(len(m), warm)
     return (
-        statistics.mean(r.throughput for r in rs),
-        statistics.mean(r.staleness_mean for r in rs),
-        rs[0],
+        effective_throughput(m, warm=w),
+        statistics.mean(x["staleness/mean"] for x in m[w + 1 :]),
     )
+
+
+def predict(profile, cfg, max_staleness: int, servers: int, steps: int, warm: int | None):
+    """The mean of SIM_SEEDS simulations' throughput and mean staleness, counted over the
+    same steps as `measured`, and the first simulation's Result."""
+    tputs, stales, results = [], [], []
+    w = window(steps, warm)
+    for seed in range(1, SIM_SEEDS + 1):
+        setting = Setting.from_config(
+            cfg, max_staleness=max_staleness, n_servers=servers, steps=steps, seed=seed
+        )
+        sim = Simulation(profile, setting)
+        results.append(sim.run())
+        tputs.append(effective_throughput(sim.trainer_model.records, warm=w))
+        stale = [x for step in sim.trainer_model.staleness[w + 1 :] for x in step] or [0]
+        stales.append(statistics.mean(stale))
+    return statistics.mean(tputs), statistics.mean(stales), results[0]
 
 
 def validate(args: argparse.Namespace, name: str) -> list[dict]:
@@ -102,9 +114,9 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
           f"{1000 * profile.group_overhead_s:.1f} ms")  # fmt: skip
     # In-sample, a diagnostic only (the table predicts other runs): the profiling run itself.
     cfg = load_config(str(profile_dir / "config.yaml"))
-    tput, stale = measured(profile_dir)
+    tput, stale = measured(profile_dir, args.warm_steps)
     p_tput, p_stale, r = predict(profile, cfg, cfg.max_staleness, cfg.rollout.n_servers,
-                                 args.steps[name])  # fmt: skip
+                                 args.steps[name], args.warm_steps)  # fmt: skip
     idle = {k: round(v, 2) for k, v in r.idle.items()}
     print(f"  in-sample: measured {tput:,.0f} tok/s, staleness {stale:.2f}; predicted "
           f"{p_tput:,.0f}, {p_stale:.2f}; idle {idle}")  # fmt: skip
@@ -120,16 +132,20 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
     rows = []
     for servers, max_staleness in grid:
         cfg = load_config(str(paths[servers, max_staleness][0] / "config.yaml"))
-        runs = sorted((*measured(p), p) for p in paths[servers, max_staleness])
+        runs = sorted((*measured(p, args.warm_steps), p) for p in paths[servers, max_staleness])
         tput, _, median = runs[len(runs) // 2]  # the median run by throughput
         stale = statistics.median(s for _, s, _ in runs)
-        p_tput, p_stale, r = predict(profile, cfg, max_staleness, servers, args.steps[name])
+        p_tput, p_stale, r = predict(
+            profile, cfg, max_staleness, servers, args.steps[name], args.warm_steps
+        )
         # The same costs on the answer lengths that run trained on: what the policy made of
         # its staleness (RL moves lengths, and tokens/s with them) is not the system's to
         # predict.
         own = copy.deepcopy(profile)
         own.lengths = fit_lengths(load_run(median), cfg.rollout.group_size)
-        own_tput, _, _ = predict(own, cfg, max_staleness, servers, args.steps[name])
+        own_tput, _, _ = predict(
+            own, cfg, max_staleness, servers, args.steps[name], args.warm_steps
+        )
         row = dict(config=name, servers=servers, max_staleness=max_staleness, tput=tput,
                    p_tput=p_tput, own_tput=own_tput, stale=stale, p_stale=p_stale,
                    bottleneck=r.bottleneck, runs=[round(t) for t, _, _ in runs])  # fmt: skip
@@ -225,6 +241,11 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each run")
     ap.add_argument("--repeats", type=int, default=3, help="runs per grid point (the median)")
+    ap.add_argument(
+        "--warm-steps", type=int, metavar="N",
+        help="count throughput and staleness after the first N steps (default: a fifth of "
+        "them, the paper's warm-up; a run at high max_staleness may still be filling then)",
+    )  # fmt: skip
     ap.add_argument("--no-paper", action="store_true")
     ap.add_argument("--paper-steps", type=int, default=20)
     args = ap.parse_args()

@@ -104,11 +104,13 @@ def _busy(role: _Role, now: float) -> list[tuple[float, float]]:
     return role.busy + ([(role.busy_since, now)] if role.busy_since is not None else [])
 
 
-def effective_throughput(records: list[dict], key: str = "train/n_tokens") -> float:
+def effective_throughput(
+    records: list[dict], key: str = "train/n_tokens", warm: int | None = None
+) -> float:
     """benchmarks/tiny_run.effective_throughput, here so the planner imports no benchmark:
-    tokens (or another count of a step's) trained per second, the first fifth of the steps
-    (warm-up) left out."""
-    warm = len(records) // 5
+    tokens (or another count of a step's) trained per second, the first `warm` steps left
+    out (None: the first fifth, the paper's warm-up)."""
+    warm = len(records) // 5 if warm is None else warm
     total = sum(x[key] for x in records[warm + 1 :])
     return total / max(records[-1]["time"] - records[warm]["time"], 1e-12)
 

@@ -216,6 +216,10 @@ def test_effective_throughput_is_the_benchmarks_measure():
         t += rng.uniform(0.1, 1)
         recs.append({"step": step, "time": t, "train/n_tokens": rng.randint(100, 900)})
     assert effective_throughput(recs) == pytest.approx(tiny_run.effective_throughput(recs))
+    # benchmarks/planner.py --warm-steps N: the same measure after the first N steps.
+    assert effective_throughput(recs, warm=len(recs) // 5) == effective_throughput(recs)
+    after_12 = sum(r["train/n_tokens"] for r in recs[13:]) / (recs[-1]["time"] - recs[12]["time"])
+    assert effective_throughput(recs, warm=12) == pytest.approx(after_12)
 
 
 def test_micro_batch_count_is_first_fit_decreasing():
