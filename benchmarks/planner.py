@@ -8,8 +8,9 @@ staleness, its recommendation against a hand-measured grid, and the paper's 1.5B
 
 Per config: THREE profiling runs (the config as it is twice, and at max_staleness=0, `--steps`
 steps each) are calibrated (areal/planner/calibrate.py); every grid point (servers x max_staleness)
-is then `--repeats` runs of its own (taken round the grid; the medians of throughput and of
-staleness are compared), predicted from that profile alone, never from themselves. Effective
+is `--repeats` runs of its own (taken round the grid, profiling run k before round k; the
+medians of throughput and of staleness are compared), predicted from that profile alone,
+never from themselves. Effective
 throughput is the paper's (benchmarks/tiny_run.effective_throughput: tokens trained per
 second, the first fifth of the steps left out, or the first --warm-steps); staleness is the
 mean over the same steps, in the runs and in the simulations alike.
@@ -100,9 +101,23 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
     # The config as it is (twice: each run counts at the median run's pace, so that one run
     # slowed by other work moves no cost), and at max_staleness=0: there its roles take turns,
     # each alone on both cores, which a max_staleness=4 run seldom shows (a lent core's speed).
-    profile_dir = run(args, config, f"{name}-profile", [])
-    dirs = [profile_dir, run(args, config, f"{name}-profile-2", [])]
-    dirs.append(run(args, config, f"{name}-profile-e0", ["max_staleness=0"]))
+    profiling = [(f"{name}-profile", []), (f"{name}-profile-2", []),
+                 (f"{name}-profile-e0", ["max_staleness=0"])]  # fmt: skip
+    # Repeats go round the grid (not one point k times), so that a slow spell of the machine
+    # spoils one run of several points rather than every run of one; and profiling run k goes
+    # before round k, so that the profile is made at the grid's pace: this machine drifts
+    # 10-25% within half an hour, which profiling first and predicting later counted as error
+    # (docs/guides/planning.md).
+    grid = [(servers, stale) for servers in args.servers for stale in args.max_staleness]
+    paths: dict[tuple[int, int], list[Path]] = {point: [] for point in grid}
+    dirs = []
+    for k in range(max(args.repeats, len(profiling))):
+        if k < len(profiling):
+            dirs.append(run(args, config, *profiling[k]))
+        for servers, stale in grid if k < args.repeats else []:
+            overrides = [f"max_staleness={stale}", f"rollout.n_servers={servers}"]
+            name_k = f"{name}-s{servers}-e{stale}" + (f"-r{k}" if k else "")
+            paths[servers, stale].append(run(args, config, name_k, overrides))
     profile = calibrate(dirs)
     profile.save(Path(args.fileroot) / f"{name}-profile.json")
     print(f"\n{name}: profile from {', '.join(str(d) for d in dirs)}")
@@ -113,22 +128,13 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
     print(f"  prompt {profile.lengths.prompt_len:.1f} tokens, group overhead "
           f"{1000 * profile.group_overhead_s:.1f} ms")  # fmt: skip
     # In-sample, a diagnostic only (the table predicts other runs): the profiling run itself.
-    cfg = load_config(str(profile_dir / "config.yaml"))
-    tput, stale = measured(profile_dir, args.warm_steps)
+    cfg = load_config(str(dirs[0] / "config.yaml"))
+    tput, stale = measured(dirs[0], args.warm_steps)
     p_tput, p_stale, r = predict(profile, cfg, cfg.max_staleness, cfg.rollout.n_servers,
                                  args.steps[name], args.warm_steps)  # fmt: skip
     idle = {k: round(v, 2) for k, v in r.idle.items()}
     print(f"  in-sample: measured {tput:,.0f} tok/s, staleness {stale:.2f}; predicted "
           f"{p_tput:,.0f}, {p_stale:.2f}; idle {idle}")  # fmt: skip
-    # Repeats go round the grid (not one point k times), so that a slow spell of the machine
-    # spoils one run of several points rather than every run of one.
-    grid = [(servers, stale) for servers in args.servers for stale in args.max_staleness]
-    paths: dict[tuple[int, int], list[Path]] = {point: [] for point in grid}
-    for k in range(args.repeats):
-        for servers, stale in grid:
-            overrides = [f"max_staleness={stale}", f"rollout.n_servers={servers}"]
-            name_k = f"{name}-s{servers}-e{stale}" + (f"-r{k}" if k else "")
-            paths[servers, stale].append(run(args, config, name_k, overrides))
     rows = []
     for servers, max_staleness in grid:
         cfg = load_config(str(paths[servers, max_staleness][0] / "config.yaml"))
