@@ -10,10 +10,10 @@ Per config: THREE profiling runs (the config as it is twice, and at max_stalenes
 steps each) are calibrated (areal/planner/calibrate.py); every grid point (servers x max_staleness)
 is `--repeats` runs of its own (taken round the grid, profiling run k before round k; the
 medians of throughput and of staleness are compared), predicted from that profile alone,
-never from themselves. Effective
-throughput is the paper's (benchmarks/tiny_run.effective_throughput: tokens trained per
-second, the first fifth of the steps left out, or the first --warm-steps); staleness is the
-mean over the same steps, in the runs and in the simulations alike.
+never from themselves. Effective throughput is the paper's (benchmarks/tiny_run.
+effective_throughput: tokens trained per second, the first fifth of the steps left out, or
+the first --warm-steps); staleness is the mean over the same steps, in the runs and in the
+simulations alike.
 Runs go one at a time. The "own lens" column predicts with the same costs on the answer
 lengths that run trained on: the policy sets them (they move with max_staleness and by
 chance), and tokens/s moves with them.
@@ -114,7 +114,9 @@ def validate(args: argparse.Namespace, name: str) -> list[dict]:
     for k in range(max(args.repeats, len(profiling))):
         if k < len(profiling):
             dirs.append(run(args, config, *profiling[k]))
-        for servers, stale in grid if k < args.repeats else []:
+        if k >= args.repeats:
+            continue
+        for servers, stale in grid:
             overrides = [f"max_staleness={stale}", f"rollout.n_servers={servers}"]
             name_k = f"{name}-s{servers}-e{stale}" + (f"-r{k}" if k else "")
             paths[servers, stale].append(run(args, config, name_k, overrides))
