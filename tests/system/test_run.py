@@ -160,6 +160,18 @@ def launched(tmp_path: Path, *overrides: str, config: Path | None = None):
     )
     try:
         yield launcher
+    except BaseException as e:
+        # What the launcher said is what tells why a wait timed out (a run never placed,
+        # a role that died): attach its tail to the failure.
+        if launcher.poll() is None:
+            launcher.kill()
+        try:
+            _, err = launcher.communicate(timeout=30)
+        except (ValueError, subprocess.TimeoutExpired):  # read already by the test, or stuck
+            err = None
+        if err:
+            e.add_note(f"the launcher's stderr (its last 3,000 characters):\n{err[-3000:]}")
+        raise
     finally:
         if launcher.poll() is None:
             launcher.kill()
