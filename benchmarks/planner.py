@@ -43,7 +43,7 @@ from areal.config import load_config  # noqa: E402
 from areal.planner.__main__ import plan_grid, recommend  # noqa: E402
 from areal.planner.calibrate import calibrate, fit_lengths  # noqa: E402
 from areal.planner.costs import gpu_h200, load_profile  # noqa: E402
-from areal.planner.sim import Setting, Simulation, effective_throughput, simulate  # noqa: E402
+from areal.planner.sim import Setting, effective_throughput, simulate, warm_steps  # noqa: E402
 from areal.report.data import load_run  # noqa: E402
 
 SIM_SEEDS = 10  # the simulation deals its groups in a random order: the mean of ten orders
@@ -65,14 +65,10 @@ def run(args: argparse.Namespace, config: Path, name: str, overrides: list[str])
     return path
 
 
-def window(steps: int, warm: int | None) -> int:
-    """The steps left out before throughput and staleness are counted (None: a fifth)."""
-    return steps // 5 if warm is None else warm
-
-
 def measured(path: Path, warm: int | None) -> tuple[float, float]:
+    """A run's throughput and mean staleness after its first warm_steps."""
     m = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
-    w = window(len(m), warm)
+    w = warm_steps(len(m), warm)
     return (
         effective_throughput(m, warm=w),
         statistics.mean(x["staleness/mean"] for x in m[w + 1 :]),
@@ -82,18 +78,19 @@ def measured(path: Path, warm: int | None) -> tuple[float, float]:
 def predict(profile, cfg, max_staleness: int, servers: int, steps: int, warm: int | None):
     """The mean of SIM_SEEDS simulations' throughput and mean staleness, counted over the
     same steps as `measured`, and the first simulation's Result."""
-    tputs, stales, results = [], [], []
-    w = window(steps, warm)
-    for seed in range(1, SIM_SEEDS + 1):
-        setting = Setting.from_config(
-            cfg, max_staleness=max_staleness, n_servers=servers, steps=steps, seed=seed
+    settings = (
+        Setting.from_config(
+            cfg, max_staleness=max_staleness, n_servers=servers, steps=steps, seed=s,
+            warm_steps=warm,
         )
-        sim = Simulation(profile, setting)
-        results.append(sim.run())
-        tputs.append(effective_throughput(sim.trainer_model.records, warm=w))
-        stale = [x for step in sim.trainer_model.staleness[w + 1 :] for x in step] or [0]
-        stales.append(statistics.mean(stale))
-    return statistics.mean(tputs), statistics.mean(stales), results[0]
+        for s in range(1, SIM_SEEDS + 1)
+    )  # fmt: skip
+    rs = [simulate(profile, s) for s in settings]
+    return (
+        statistics.mean(r.throughput for r in rs),
+        statistics.mean(r.staleness_mean for r in rs),
+        rs[0],
+    )
 
 
 def validate(args: argparse.Namespace, name: str) -> list[dict]:

@@ -48,14 +48,20 @@ from areal.planner.costs import Profile
 from areal.planner.sim_controller import ControllerModel
 from areal.planner.sim_cores import CoreModel
 from areal.planner.sim_events import EventQueue
-from areal.planner.sim_figures import Result, bottleneck, effective_throughput, figures
+from areal.planner.sim_figures import (
+    Result,
+    bottleneck,
+    effective_throughput,
+    figures,
+    warm_steps,
+)
 from areal.planner.sim_servers import ServerModel, _Group, _Req, _Server
 from areal.planner.sim_setting import Setting
 from areal.planner.sim_trainer import TrainerModel
 
 __all__ = [
     "EventQueue", "Result", "Setting", "Simulation", "bottleneck", "effective_throughput",
-    "simulate", "_Group", "_Req",
+    "simulate", "warm_steps", "_Group", "_Req",
 ]  # fmt: skip
 
 
@@ -118,6 +124,7 @@ class Simulation:
             self.controller.capped.until(now),
             now,
             self.s.max_staleness,
+            self.s.warm_steps,
             generated=srv.generated,
             prefilled=srv.prefilled,
             interrupted=srv.interrupted,

@@ -42,14 +42,15 @@ def figures(
     capped: list[tuple[float, float]],
     now: float,
     max_staleness: int,
+    warm: int | None = None,
     **counts: int,
 ) -> Result:
     """The Result of a run that ended `now`: records and staleness per step (the trainer's),
     the roles' busy spans, and the spans in which max_staleness (held) or the cap on groups
     in flight (capped) kept the gate shut; `counts`: the servers' generated, prefilled,
-    interrupted. The first fifth of the steps is warm-up, left out."""
+    interrupted. The first `warm` steps are left out (warm_steps)."""
     recs = records
-    warm = len(recs) // 5
+    warm = warm_steps(len(recs), warm)
     t0, t1 = recs[warm]["time"], recs[-1]["time"]
     stale = [x for step in staleness[warm + 1 :] for x in step] or [0]
     hist: dict[int, int] = {}
@@ -67,8 +68,8 @@ def figures(
         _overlap(held, t0, t1) - _overlap_pairs(held, _busy(s, now), t0, t1) for s in servers
     ) / (len(servers) * max(t1 - t0, 1e-12))
     return Result(
-        throughput=effective_throughput(recs),
-        trajectories_per_s=effective_throughput(recs, "seqs"),
+        throughput=effective_throughput(recs, warm=warm),
+        trajectories_per_s=effective_throughput(recs, "seqs", warm),
         staleness_mean=sum(stale) / len(stale),
         staleness_max=max(stale),
         staleness_hist=dict(sorted(hist.items())),
@@ -104,13 +105,18 @@ def _busy(role: _Role, now: float) -> list[tuple[float, float]]:
     return role.busy + ([(role.busy_since, now)] if role.busy_since is not None else [])
 
 
+def warm_steps(steps: int, warm: int | None = None) -> int:
+    """The steps a run's figures leave out: `warm`, or (None) the first fifth, the paper's
+    warm-up."""
+    return steps // 5 if warm is None else warm
+
+
 def effective_throughput(
     records: list[dict], key: str = "train/n_tokens", warm: int | None = None
 ) -> float:
     """benchmarks/tiny_run.effective_throughput, here so the planner imports no benchmark:
-    tokens (or another count of a step's) trained per second, the first `warm` steps left
-    out (None: the first fifth, the paper's warm-up)."""
-    warm = len(records) // 5 if warm is None else warm
+    tokens (or another count of a step's) trained per second, the first warm_steps left out."""
+    warm = warm_steps(len(records), warm)
     total = sum(x[key] for x in records[warm + 1 :])
     return total / max(records[-1]["time"] - records[warm]["time"], 1e-12)
 

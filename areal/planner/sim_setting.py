@@ -28,6 +28,8 @@ class Setting:
     """GPUs of the trainer (data parallel: token costs divide by it); 1 on a CPU."""
     steps: int = 40
     seed: int = 1
+    warm_steps: int | None = None
+    """Steps the figures leave out (throughput, staleness, idle); None: the first fifth."""
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig, **overrides) -> Setting:
